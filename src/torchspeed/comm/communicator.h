@@ -1,0 +1,121 @@
+// Communicator: collectives and point-to-point transfers on CPU tensors among a group of ranks.
+// Every op has an async form returning a Work whose wait() honours a deadline, so a dead or
+// desynchronised peer ends in a CommError naming the op, group, rank and bytes, never a hang.
+// Backends (MPI now) implement the do_* hooks; validation of arguments lives here, once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torchspeed::comm {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+const char* reduce_op_name(ReduceOp op);
+
+// Deadline default: TORCHSPEED_COMM_TIMEOUT_S, else 10 minutes.
+std::chrono::milliseconds default_timeout();
+// Chunk default: TORCHSPEED_COMM_CHUNK_BYTES, else 4 MiB. See Note [Chunked collectives].
+int64_t default_chunk_bytes();
+
+struct CommOptions {
+  // How long wait() waits for an op (from its submission) before throwing CommError.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
+  // Collectives larger than this are split into pipelined chunks of about this size.
+  TORCH_ARG(int64_t, chunk_bytes) = default_chunk_bytes();
+  // Chunks of one collective in flight at once.
+  TORCH_ARG(int, chunks_in_flight) = 2;
+};
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the op completed; throws CommError on failure or when the deadline passed.
+  virtual void wait() = 0;
+  // Non-blocking check; also throws when the op failed.
+  virtual bool is_completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// Counts of what this rank asked the communicator to move (payload bytes of the tensors).
+struct OpStats {
+  int64_t ops = 0;
+  int64_t bytes = 0;
+};
+using CommStats = std::map<std::string, OpStats>;  // by op name ("all_reduce", ...)
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  virtual ~Communicator() = default;
+
+  // The world group over every rank of the job (needs torchspeed::init()).
+  static std::shared_ptr<Communicator> world(const CommOptions& options = CommOptions());
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const std::string& name() const = 0;
+  // World ranks of this group's members, in group-rank order.
+  virtual const std::vector<int>& world_ranks() const = 0;
+  virtual const CommOptions& options() const = 0;
+  virtual CommStats stats() const = 0;
+
+  // Ranks with the same color form a new group, ordered by key (then by rank). Collective.
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+
+  // In place on `tensor`. bf16/fp16 sums accumulate in fp32 and round once; kAvg divides by
+  // size() (floating dtypes only).
+  WorkPtr all_reduce_async(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // `input` holds size() equal chunks; rank r receives the reduction of chunk r in `output`.
+  WorkPtr reduce_scatter_async(const at::Tensor& input, const at::Tensor& output,
+                               ReduceOp op = ReduceOp::kSum);
+  // `output` (size() x input.numel()) receives every rank's `input`, in rank order.
+  WorkPtr all_gather_async(const at::Tensor& input, const at::Tensor& output);
+  WorkPtr broadcast_async(const at::Tensor& tensor, int root);
+  WorkPtr send_async(const at::Tensor& tensor, int dst, int tag = 0);
+  WorkPtr recv_async(const at::Tensor& tensor, int src, int tag = 0);
+  WorkPtr barrier_async();
+
+  void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  void reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                      ReduceOp op = ReduceOp::kSum);
+  void all_gather(const at::Tensor& input, const at::Tensor& output);
+  void broadcast(const at::Tensor& tensor, int root);
+  void send(const at::Tensor& tensor, int dst, int tag = 0);
+  void recv(const at::Tensor& tensor, int src, int tag = 0);
+  void barrier();
+
+  // "all_reduce on group 'dp' (rank 1 of 2, world rank 3)": the prefix of every error.
+  std::string describe(const char* op) const;
+
+ protected:
+  // Blocking calls may run inline on the caller's thread when the communicator is idle.
+  enum class Mode { kAsync, kBlocking };
+  virtual WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op, Mode mode) = 0;
+  virtual WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op,
+                                    Mode mode) = 0;
+  virtual WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out, Mode mode) = 0;
+  virtual WorkPtr do_broadcast(const at::Tensor& t, int root, Mode mode) = 0;
+  virtual WorkPtr do_send(const at::Tensor& t, int dst, int tag) = 0;
+  virtual WorkPtr do_recv(const at::Tensor& t, int src, int tag) = 0;
+  virtual WorkPtr do_barrier(Mode mode) = 0;
+
+ private:
+  void validate_all_reduce(const at::Tensor& t, ReduceOp op) const;
+  void validate_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op) const;
+  void validate_all_gather(const at::Tensor& in, const at::Tensor& out) const;
+  void validate_broadcast(const at::Tensor& t, int root) const;
+  void validate_p2p(const char* op, const at::Tensor& t, int peer, int tag) const;
+  void check_tensor(const char* op, const at::Tensor& t, const char* what) const;
+  void check_reduce(const char* op, const at::Tensor& t, ReduceOp rop) const;
+  void check_peer(const char* op, int peer, const char* what) const;
+};
+
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+}  // namespace torchspeed::comm

@@ -1,0 +1,556 @@
+// DeepSpeed config parsing: each section is read by one function with DeepSpeed's defaults
+// (deepspeed/runtime/config.py, zero/config.py, fp16 loss scaler, lr_schedules.py), then batch
+// sizes are resolved with DeepSpeed's rules against the world shape.
+#include "torchspeed/config/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "torchspeed/config/json_reader.h"
+
+namespace torchspeed::config {
+namespace {
+
+constexpr int64_t kMax32 = INT32_MAX;
+
+// DeepSpeed features torchspeed does not have. A section that is absent or disabled is accepted
+// with a warning; one that is enabled is an error naming it.
+const std::vector<std::string> kForeignSections = {
+    "amp", "flops_profiler", "comms_logger", "elasticity", "autotuning", "data_efficiency",
+    "compression_training", "sparse_attention", "aio", "wandb", "comet", "quantize_training",
+    "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula",
+    "weight_quantization", "hybrid_engine"};
+// DeepSpeed flags that change nothing in torchspeed (warned, not refused).
+const std::vector<std::string> kIgnoredFlags = {
+    "disable_allgather", "dump_state", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "sparse_gradients", "fp32_allreduce",
+    "gradient_accumulation_dtype", "use_data_before_expert_parallel_", "graph_harvesting",
+    "steps_per_print_all_ranks", "data_types"};
+// Sections validated by the components that own them.
+const std::vector<std::string> kOwnedSections = {"model", "data", "train"};
+
+void read_fp16(JsonReader& r, FP16Config& c) {
+  c.enabled = r.get_bool("enabled", false);
+  c.auto_cast = r.get_bool("auto_cast", false);
+  c.loss_scale = r.get_double("loss_scale", 0.0, 0.0);
+  c.initial_scale_power = static_cast<int>(r.get_int("initial_scale_power", 16, 0, 64));
+  c.loss_scale_window = static_cast<int>(r.get_int("loss_scale_window", 1000, 1, kMax32));
+  c.hysteresis = static_cast<int>(r.get_int("hysteresis", 2, 1, kMax32));
+  c.consecutive_hysteresis = r.get_bool("consecutive_hysteresis", false);
+  c.min_loss_scale = r.get_double("min_loss_scale", 1.0, 0.0);
+  r.accept("fp16_master_weights_and_grads");
+  if (r.get_bool("fp16_master_weights_and_grads", false)) {
+    r.error("fp16_master_weights_and_grads",
+            "torchspeed keeps fp32 master weights; this DeepSpeed option is not supported");
+  }
+  r.finish();
+}
+
+void read_optimizer(JsonReader& r, OptimizerConfig& c) {
+  c.type = r.get_string("type", "", {"Adam", "AdamW", "SGD", "Lamb", "OneBitAdam", "ZeroOneAdam",
+                                     "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD"});
+  if (c.type.empty() && r.has("type") == false) r.error("type", "is required in an optimizer section");
+  if (c.type != "" && c.type != "Adam" && c.type != "AdamW" && c.type != "SGD") {
+    r.error("type", concat("\"", c.type, "\" is a DeepSpeed optimizer torchspeed does not have; "
+                        "use Adam, AdamW or SGD"));
+  }
+  auto p = r.child("params");
+  if (!p) {
+    if (c.type == "SGD") c.lr = 1e-3;
+    return r.finish();
+  }
+  c.lr = p->get_double("lr", 1e-3, 0.0);
+  c.weight_decay = p->get_double("weight_decay", 0.0, 0.0);
+  if (c.type == "SGD") {
+    c.momentum = p->get_double("momentum", 0.0, 0.0);
+    c.dampening = p->get_double("dampening", 0.0, 0.0);
+    c.nesterov = p->get_bool("nesterov", false);
+  } else {
+    c.betas = p->get_double_list("betas", {0.9, 0.999}, 2);
+    for (double b : c.betas) {
+      if (b < 0.0 || b >= 1.0) p->error("betas", concat("each beta must be in [0, 1), got ", b));
+    }
+    c.eps = p->get_double("eps", 1e-8, 0.0);
+    c.bias_correction = p->get_bool("bias_correction", true);
+    c.adam_w_mode = p->get_bool("adam_w_mode", true);
+    if (c.type == "AdamW" && !c.adam_w_mode) {
+      p->error("adam_w_mode", "AdamW always decouples weight decay; use type Adam for L2 decay");
+    }
+    p->accept("torch_adam");
+    p->accept("fused");
+    if (p->get_bool("amsgrad", false)) p->error("amsgrad", "AMSGrad is not supported");
+  }
+  p->finish();
+  r.finish();
+}
+
+void read_scheduler(JsonReader& r, SchedulerConfig& c) {
+  c.type = r.get_string("type", "", {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                                     "LRRangeTest"});
+  if (c.type.empty()) {
+    if (!r.has("type")) r.error("type", "is required in a scheduler section");
+    return r.finish();
+  }
+  // Name -> default; NaN marks a parameter DeepSpeed requires.
+  const double kRequired = std::numeric_limits<double>::quiet_NaN();
+  std::vector<std::pair<std::string, double>> spec;
+  if (c.type == "WarmupLR" || c.type == "WarmupDecayLR") {
+    spec = {{"warmup_min_lr", 0.0}, {"warmup_max_lr", 0.001}, {"warmup_num_steps", 1000}};
+    if (c.type == "WarmupDecayLR") spec.push_back({"total_num_steps", kRequired});
+  } else if (c.type == "WarmupCosineLR") {
+    spec = {{"total_num_steps", kRequired}, {"warmup_min_ratio", 0.0},
+            {"warmup_num_steps", 1000}, {"cos_min_ratio", 0.0001}};
+  } else if (c.type == "OneCycle") {
+    spec = {{"cycle_min_lr", kRequired}, {"cycle_max_lr", kRequired}, {"decay_lr_rate", 0.0},
+            {"cycle_first_step_size", 2000}, {"cycle_second_step_size", -1},
+            {"cycle_first_stair_count", 0}, {"cycle_second_stair_count", -1},
+            {"decay_step_size", 0}, {"cycle_momentum", 1}, {"cycle_min_mom", 0.8},
+            {"cycle_max_mom", 0.9}, {"decay_mom_rate", 0.0}};
+  } else {  // LRRangeTest
+    spec = {{"lr_range_test_min_lr", 0.001}, {"lr_range_test_step_size", 2000},
+            {"lr_range_test_step_rate", 1.0}, {"lr_range_test_staircase", 0}};
+  }
+  auto p = r.child("params");
+  if (!p) {
+    for (auto& [name, def] : spec) {
+      if (std::isnan(def)) r.error("params", concat("needs \"", name, "\" for ", c.type));
+      c.params[name] = def;
+    }
+    return r.finish();
+  }
+  for (auto& [name, def] : spec) {
+    if (name == "cycle_momentum" || name == "lr_range_test_staircase") {
+      c.params[name] = p->get_bool(name, def != 0.0) ? 1.0 : 0.0;
+      continue;
+    }
+    auto v = p->get_opt_double(name);
+    if (!v && std::isnan(def)) p->error(name, concat("is required for ", c.type));
+    c.params[name] = v.value_or(std::isnan(def) ? 0.0 : def);
+  }
+  if (c.type.rfind("Warmup", 0) == 0) c.warmup_type = p->get_string("warmup_type", "log", {"log", "linear"});
+  p->accept("last_batch_iteration");
+  if (c.type == "OneCycle") {
+    if (c.params["cycle_second_step_size"] < 0) c.params["cycle_second_step_size"] = c.params["cycle_first_step_size"];
+    if (c.params["cycle_second_stair_count"] < 0) c.params["cycle_second_stair_count"] = c.params["cycle_first_stair_count"];
+  }
+  p->finish();
+  r.finish();
+}
+
+void read_offload(JsonReader& r, OffloadConfig& c, bool optimizer) {
+  c.device = r.get_string("device", "none", {"none", "cpu", "nvme"});
+  c.nvme_path = r.get_string("nvme_path", "");
+  c.pin_memory = r.get_bool("pin_memory", false);
+  c.buffer_count = r.get_int("buffer_count", optimizer ? 4 : 5, 1);
+  if (optimizer) {
+    c.ratio = r.get_double("ratio", 1.0, 0.0, 1.0);
+    r.accept("pipeline_read");
+    r.accept("pipeline_write");
+    r.accept("fast_init");
+    r.accept("pipeline");
+  } else {
+    c.buffer_size = r.get_int("buffer_size", 100000000, 1);
+    c.max_in_cpu = r.get_int("max_in_cpu", 1000000000, 0);
+  }
+  if (c.device == "nvme" && c.nvme_path.empty()) r.error("nvme_path", "is required when device is \"nvme\"");
+  r.finish();
+}
+
+// DeepSpeed accepts stage-3 keys with and without the "stage3_" prefix.
+int64_t get_stage3_int(JsonReader& r, const std::string& name, int64_t def) {
+  auto a = r.get_opt_int("stage3_" + name, 0);
+  auto b = r.get_opt_int(name, 0);
+  return a ? *a : b ? *b : def;
+}
+
+void read_zero(JsonReader& r, ZeroConfig& c) {
+  c.stage = static_cast<int>(r.get_int("stage", 0, 0, 3));
+  c.contiguous_gradients = r.get_bool("contiguous_gradients", true);
+  c.reduce_scatter = r.get_bool("reduce_scatter", true);
+  c.reduce_bucket_size = r.get_int("reduce_bucket_size", 500000000, 1);
+  c.allgather_partitions = r.get_bool("allgather_partitions", true);
+  c.allgather_bucket_size = r.get_int("allgather_bucket_size", 500000000, 1);
+  c.overlap_comm = r.get_bool("overlap_comm", c.stage == 3);
+  c.load_from_fp32_weights = r.get_bool("load_from_fp32_weights", true);
+  c.elastic_checkpoint = r.get_bool("elastic_checkpoint", false);
+  c.sub_group_size = r.get_int("sub_group_size", 1000000000, 1);
+  c.prefetch_bucket_size = get_stage3_int(r, "prefetch_bucket_size", 50000000);
+  c.param_persistence_threshold = get_stage3_int(r, "param_persistence_threshold", 100000);
+  c.model_persistence_threshold = get_stage3_int(r, "model_persistence_threshold", INT64_MAX);
+  c.max_live_parameters = get_stage3_int(r, "max_live_parameters", 1000000000);
+  c.max_reuse_distance = get_stage3_int(r, "max_reuse_distance", 1000000000);
+  c.gather_16bit_weights_on_model_save =
+      r.get_bool("stage3_gather_16bit_weights_on_model_save", false) ||
+      r.get_bool("gather_16bit_weights_on_model_save", false) ||
+      r.get_bool("stage3_gather_fp16_weights_on_model_save", false);
+  c.round_robin_gradients = r.get_bool("round_robin_gradients", false);
+  c.ignore_unused_parameters = r.get_bool("ignore_unused_parameters", true);
+  for (const char* k : {"legacy_stage1", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+                        "zero_hpz_partition_size", "zero_quantized_weights",
+                        "zero_quantized_gradients", "mics_shard_size", "pipeline_loading_checkpoint",
+                        "override_module_apply", "log_trace_cache_warnings"}) {
+    r.accept(k);
+  }
+  if (auto o = r.child("offload_optimizer")) read_offload(*o, c.offload_optimizer, true);
+  if (auto o = r.child("offload_param")) read_offload(*o, c.offload_param, false);
+  // Deprecated spellings that real configs still carry.
+  r.deprecated("cpu_offload", "\"offload_optimizer\": {\"device\": \"cpu\"}");
+  if (r.get_bool("cpu_offload", false)) c.offload_optimizer.device = "cpu";
+  r.deprecated("cpu_offload_param", "\"offload_param\": {\"device\": \"cpu\"}");
+  if (r.get_bool("cpu_offload_param", false)) c.offload_param.device = "cpu";
+  r.deprecated("cpu_offload_use_pin_memory", "\"pin_memory\" in the offload sections");
+  if (r.get_bool("cpu_offload_use_pin_memory", false)) {
+    c.offload_optimizer.pin_memory = c.offload_param.pin_memory = true;
+  }
+  if (c.offload_param.enabled() && c.stage != 3) {
+    r.error("offload_param", "parameter offload needs ZeRO stage 3");
+  }
+  if (c.offload_optimizer.enabled() && c.stage == 0) {
+    r.error("offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3");
+  }
+  r.finish();
+}
+
+void read_activation_checkpointing(JsonReader& r, ActivationCheckpointingConfig& c) {
+  c.partition_activations = r.get_bool("partition_activations", false);
+  c.contiguous_memory_optimization = r.get_bool("contiguous_memory_optimization", false);
+  c.cpu_checkpointing = r.get_bool("cpu_checkpointing", false);
+  c.number_checkpoints = r.get_opt_int("number_checkpoints", 1);
+  c.synchronize_checkpoint_boundary = r.get_bool("synchronize_checkpoint_boundary", false);
+  c.profile = r.get_bool("profile", false);
+  r.finish();
+}
+
+void read_pipeline(JsonReader& r, PipelineConfig& c) {
+  const auto* stages = r.raw("stages");
+  if (stages && stages->is_string()) {
+    if (stages->get<std::string>() != "auto") r.error("stages", "must be an integer or \"auto\"");
+  } else {
+    c.stages = static_cast<int>(r.get_int("stages", 1, 1, 4096));
+  }
+  const auto* pm = r.raw("partition_method") ? r.raw("partition_method") : r.raw("partition");
+  if (pm) {
+    std::string m = pm->is_string() ? pm->get<std::string>() : "";
+    if (m == "best") m = "parameters";  // DeepSpeed's pipeline-section spelling
+    if (m == "uniform" || m == "parameters" || m.rfind("type:", 0) == 0) {
+      c.partition_method = m;
+    } else {
+      r.error(r.has("partition_method") ? "partition_method" : "partition",
+              "must be \"uniform\", \"parameters\" or \"type:REGEX\"");
+    }
+  }
+  c.activation_checkpoint_interval =
+      static_cast<int>(r.get_int("activation_checkpoint_interval", 0, 0, kMax32));
+  c.schedule = r.get_string("schedule", "1f1b", {"1f1b", "gpipe"});
+  for (const char* k : {"seed_layers", "pipe_partitioned", "grad_partitioned",
+                        "use_reentrant"}) {
+    r.accept(k);
+  }
+  r.finish();
+}
+
+void read_monitor(JsonReader& r, MonitorConfig& c) {
+  c.enabled = r.get_bool("enabled", false);
+  c.output_path = r.get_string("output_path", "");
+  c.job_name = r.get_string("job_name", "DeepSpeedJobName");
+  r.finish();
+}
+
+void resolve_batch(JsonReader& root, Config& c, std::optional<int64_t> train,
+                   std::optional<int64_t> micro, std::optional<int64_t> gas,
+                   std::vector<std::string>& errors) {
+  const int64_t dp = c.dp;
+  // DeepSpeed's _set_batch_related_parameters, then _batch_assertion.
+  if (train && micro && gas) {
+    // all given: checked below
+  } else if (train && micro) {
+    gas = *train / (*micro * dp);
+  } else if (train && gas) {
+    micro = *train / (*gas * dp);
+  } else if (micro && gas) {
+    train = *micro * *gas * dp;
+  } else if (train) {
+    gas = 1;
+    micro = *train / dp;
+  } else if (micro) {
+    gas = gas.value_or(1);
+    train = *micro * *gas * dp;
+  } else {
+    errors.push_back("train_batch_size: either train_batch_size or "
+                     "train_micro_batch_size_per_gpu must be given");
+    return;
+  }
+  if (*micro <= 0 || *gas <= 0 || *train != *micro * *gas * dp) {
+    errors.push_back(concat("train_batch_size: ", *train, " is not train_micro_batch_size_per_gpu (",
+                         *micro, ") x gradient_accumulation_steps (", *gas,
+                         ") x data-parallel size (", dp, " = world ", c.world_size, " / (tp ", c.tp,
+                         " x pp ", c.pp, ")); choose sizes with train_batch_size = micro x "
+                         "grad_accum x dp, or give only two of them"));
+    return;
+  }
+  c.train_batch_size = *train;
+  c.train_micro_batch_size_per_gpu = *micro;
+  c.gradient_accumulation_steps = *gas;
+}
+
+std::string line_col(const std::string& text, size_t byte) {
+  size_t line = 1, col = 1;
+  for (size_t i = 0; i < byte && i < text.size(); ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      col = 1;
+    } else {
+      ++col;
+    }
+  }
+  return concat("line ", line, ", column ", col);
+}
+
+}  // namespace
+
+ConfigError::ConfigError(std::vector<std::string> errors)
+    : Error([&] {
+        std::string msg = concat("invalid torchspeed config (", errors.size(), " error",
+                              errors.size() == 1 ? "" : "s", "):");
+        for (const auto& e : errors) msg += "\n  " + e;
+        return msg;
+      }()),
+      errors_(std::move(errors)) {}
+
+double SchedulerConfig::param(const std::string& name) const {
+  auto it = params.find(name);
+  TS_CHECK(it != params.end(), "scheduler ", type, " has no parameter '", name, "'");
+  return it->second;
+}
+
+Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
+  Diagnostics diag;
+  Config c;
+  c.source = j;
+  if (!j.is_object()) throw ConfigError({concat("(root): expected a JSON object, found ", json_type_name(j))});
+  JsonReader r(j, "", diag);
+
+  // torchspeed's own section first: it decides whether unknown keys are errors.
+  if (auto t = r.child("torchspeed")) {
+    c.torchspeed.unknown_keys = t->get_string("unknown_keys", "error", {"error", "warn"});
+    diag.unknown_keys_are_errors = c.torchspeed.unknown_keys == "error";
+    c.torchspeed.intra_op_threads = static_cast<int>(t->get_int("intra_op_threads", 0, 0, 4096));
+    c.torchspeed.comm_timeout_s = t->get_double("comm_timeout_s", 600.0, 1e-3);
+    c.torchspeed.comm_chunk_bytes = t->get_int("comm_chunk_bytes", 4 << 20, 4096, int64_t{1} << 30);
+    t->finish();
+  }
+
+  auto train = r.get_opt_int("train_batch_size", 1);
+  auto micro = r.get_opt_int("train_micro_batch_size_per_gpu", 1);
+  auto gas = r.get_opt_int("gradient_accumulation_steps", 1);
+  c.steps_per_print = static_cast<int>(r.get_int("steps_per_print", 10, 1, kMax32));
+  c.wall_clock_breakdown = r.get_bool("wall_clock_breakdown", false);
+  c.prescale_gradients = r.get_bool("prescale_gradients", false);
+  c.gradient_predivide_factor = r.get_double("gradient_predivide_factor", 1.0, 1e-12);
+  c.gradient_clipping = r.get_double("gradient_clipping", 0.0, 0.0);
+  c.communication_data_type = r.get_string("communication_data_type", "", {"fp32", "fp16", "bf16", "bfp16"});
+  if (c.communication_data_type == "bfp16") c.communication_data_type = "bf16";
+  c.seed = r.get_int("seed", 1234, 0);
+  c.memory_breakdown = r.get_bool("memory_breakdown", false);
+
+  if (auto s = r.child("fp16")) read_fp16(*s, c.fp16);
+  for (const char* key : {"bf16", "bfloat16"}) {
+    if (auto s = r.child(key)) {
+      c.bf16.enabled = s->get_bool("enabled", false);
+      s->accept("immediate_grad_update");
+      s->accept("check_grad_overflow");
+      s->finish();
+    }
+  }
+  if (c.fp16.enabled && c.bf16.enabled) {
+    r.error("bf16", "fp16.enabled and bf16.enabled are both true; enable one of them");
+  }
+  if (auto s = r.child("optimizer")) read_optimizer(*s, c.optimizer);
+  if (auto s = r.child("scheduler")) read_scheduler(*s, c.scheduler);
+  if (auto s = r.child("zero_optimization")) read_zero(*s, c.zero);
+  if (auto s = r.child("activation_checkpointing")) read_activation_checkpointing(*s, c.activation_checkpointing);
+  if (auto s = r.child("pipeline")) read_pipeline(*s, c.pipeline);
+  if (auto s = r.child("tensor_parallel")) {
+    auto a = s->get_opt_int("tp_size", 1, 4096);
+    auto b = s->get_opt_int("autotp_size", 1, 4096);
+    c.tensor_parallel.tp_size = static_cast<int>(a ? *a : b ? *b : 1);
+    s->finish();
+  }
+  if (auto s = r.child("checkpoint")) {
+    c.checkpoint.tag_validation = s->get_string("tag_validation", "Warn", {"Ignore", "Warn", "Fail"});
+    c.checkpoint.load_universal = s->get_bool("load_universal", false);
+    c.checkpoint.use_node_local_storage = s->get_bool("use_node_local_storage", false);
+    c.checkpoint.keep_last = static_cast<int>(s->get_int("keep_last", 0, 0, kMax32));
+    s->accept("parallel_write");
+    s->finish();
+  }
+  if (auto s = r.child("csv_monitor")) read_monitor(*s, c.csv_monitor);
+  if (auto s = r.child("tensorboard")) read_monitor(*s, c.tensorboard);
+
+  for (const auto& name : kForeignSections) {
+    const auto* v = r.raw(name);
+    if (!v) continue;
+    bool enabled = v->is_object() && v->value("enabled", false);
+    if (enabled) {
+      r.error(name, "is a DeepSpeed feature torchspeed does not have; remove the section or set "
+                    "\"enabled\": false");
+    } else {
+      r.warn(name, "is a DeepSpeed feature torchspeed does not have; ignored (not enabled)");
+    }
+  }
+  for (const auto& name : kIgnoredFlags) {
+    if (r.raw(name)) r.warn(name, "has no effect in torchspeed; ignored");
+  }
+  for (const auto& name : kOwnedSections) {
+    if (const auto* v = r.raw(name)) c.sections[name] = *v;
+  }
+  r.finish();
+
+  // World shape: command line over config; tp/pp must agree when both are given.
+  c.world_size = world.world_size;
+  c.tp = world.tp > 0 ? world.tp : c.tensor_parallel.tp_size;
+  c.pp = world.pp > 0 ? world.pp : c.pipeline.stages;
+  if (world.tp > 0 && r.has("tensor_parallel") && world.tp != c.tensor_parallel.tp_size) {
+    r.error("tensor_parallel", concat("tp_size ", c.tensor_parallel.tp_size, " contradicts --tp ", world.tp));
+  }
+  if (world.pp > 0 && r.has("pipeline") && world.pp != c.pipeline.stages) {
+    r.error("pipeline", concat("stages ", c.pipeline.stages, " contradicts --pp ", world.pp));
+  }
+  c.tensor_parallel.tp_size = c.tp;
+  c.pipeline.stages = c.pp;
+  if (c.world_size < 1 || c.world_size % (c.tp * c.pp) != 0) {
+    diag.errors.push_back(concat("tensor_parallel.tp_size x pipeline.stages: tp ", c.tp, " x pp ", c.pp,
+                              " = ", c.tp * c.pp, " does not divide the world size ", c.world_size));
+  } else {
+    c.dp = c.world_size / (c.tp * c.pp);
+    resolve_batch(r, c, train, micro, gas, diag.errors);
+  }
+  if (c.zero.stage >= 2 && c.pp > 1) {
+    diag.errors.push_back(concat("zero_optimization.stage: stage ", c.zero.stage,
+                              " cannot be combined with pipeline parallelism (pp ", c.pp,
+                              "), as in DeepSpeed; use stage 0 or 1"));
+  }
+  if (!diag.errors.empty()) throw ConfigError(diag.errors);
+  c.warnings = diag.warnings;
+  return c;
+}
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TS_CHECK(in.good(), "cannot open config file '", path, "': ", std::strerror(errno));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string text = ss.str();
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    size_t byte = e.byte > 0 ? e.byte - 1 : 0;
+    throw ConfigError({concat(path, ": invalid JSON at byte ", byte, " (", line_col(text, byte),
+                           "): ", e.what())});
+  }
+}
+
+Config Config::load(const std::string& path, const WorldShape& world) {
+  nlohmann::json j = read_json_file(path);
+  try {
+    return parse(j, world);
+  } catch (const ConfigError& e) {
+    std::vector<std::string> errs;
+    for (const auto& m : e.errors()) errs.push_back(concat(path, ": ", m));
+    throw ConfigError(errs);
+  }
+}
+
+nlohmann::json Config::to_json() const {
+  using nlohmann::json;
+  auto offload = [](const OffloadConfig& o) {
+    return json{{"device", o.device}, {"nvme_path", o.nvme_path}, {"pin_memory", o.pin_memory},
+                {"buffer_count", o.buffer_count}, {"buffer_size", o.buffer_size},
+                {"max_in_cpu", o.max_in_cpu}, {"ratio", o.ratio}};
+  };
+  auto monitor = [](const MonitorConfig& m) {
+    return json{{"enabled", m.enabled}, {"output_path", m.output_path}, {"job_name", m.job_name}};
+  };
+  json j;
+  j["train_batch_size"] = train_batch_size;
+  j["train_micro_batch_size_per_gpu"] = train_micro_batch_size_per_gpu;
+  j["gradient_accumulation_steps"] = gradient_accumulation_steps;
+  j["steps_per_print"] = steps_per_print;
+  j["wall_clock_breakdown"] = wall_clock_breakdown;
+  j["prescale_gradients"] = prescale_gradients;
+  j["gradient_predivide_factor"] = gradient_predivide_factor;
+  j["gradient_clipping"] = gradient_clipping;
+  j["communication_data_type"] = communication_data_type.empty() ? json(nullptr) : json(communication_data_type);
+  j["seed"] = seed;
+  j["memory_breakdown"] = memory_breakdown;
+  j["fp16"] = {{"enabled", fp16.enabled}, {"auto_cast", fp16.auto_cast},
+               {"loss_scale", fp16.loss_scale}, {"initial_scale_power", fp16.initial_scale_power},
+               {"loss_scale_window", fp16.loss_scale_window}, {"hysteresis", fp16.hysteresis},
+               {"consecutive_hysteresis", fp16.consecutive_hysteresis},
+               {"min_loss_scale", fp16.min_loss_scale}};
+  j["bf16"] = {{"enabled", bf16.enabled}};
+  if (!optimizer.type.empty()) {
+    json p = {{"lr", optimizer.lr}, {"weight_decay", optimizer.weight_decay}};
+    if (optimizer.type == "SGD") {
+      p["momentum"] = optimizer.momentum;
+      p["dampening"] = optimizer.dampening;
+      p["nesterov"] = optimizer.nesterov;
+    } else {
+      p["betas"] = optimizer.betas;
+      p["eps"] = optimizer.eps;
+      p["bias_correction"] = optimizer.bias_correction;
+      p["adam_w_mode"] = optimizer.adam_w_mode;
+    }
+    j["optimizer"] = {{"type", optimizer.type}, {"params", p}};
+  }
+  if (!scheduler.type.empty()) {
+    json p(scheduler.params);
+    if (scheduler.type.rfind("Warmup", 0) == 0) p["warmup_type"] = scheduler.warmup_type;
+    j["scheduler"] = {{"type", scheduler.type}, {"params", p}};
+  }
+  const ZeroConfig& z = zero;
+  j["zero_optimization"] = {
+      {"stage", z.stage}, {"contiguous_gradients", z.contiguous_gradients},
+      {"reduce_scatter", z.reduce_scatter}, {"reduce_bucket_size", z.reduce_bucket_size},
+      {"allgather_partitions", z.allgather_partitions},
+      {"allgather_bucket_size", z.allgather_bucket_size}, {"overlap_comm", z.overlap_comm},
+      {"load_from_fp32_weights", z.load_from_fp32_weights},
+      {"elastic_checkpoint", z.elastic_checkpoint},
+      {"offload_optimizer", offload(z.offload_optimizer)},
+      {"offload_param", offload(z.offload_param)}, {"sub_group_size", z.sub_group_size},
+      {"stage3_prefetch_bucket_size", z.prefetch_bucket_size},
+      {"stage3_param_persistence_threshold", z.param_persistence_threshold},
+      {"stage3_model_persistence_threshold", z.model_persistence_threshold},
+      {"stage3_max_live_parameters", z.max_live_parameters},
+      {"stage3_max_reuse_distance", z.max_reuse_distance},
+      {"stage3_gather_16bit_weights_on_model_save", z.gather_16bit_weights_on_model_save},
+      {"round_robin_gradients", z.round_robin_gradients},
+      {"ignore_unused_parameters", z.ignore_unused_parameters}};
+  const auto& a = activation_checkpointing;
+  j["activation_checkpointing"] = {
+      {"partition_activations", a.partition_activations},
+      {"contiguous_memory_optimization", a.contiguous_memory_optimization},
+      {"cpu_checkpointing", a.cpu_checkpointing},
+      {"number_checkpoints", a.number_checkpoints ? json(*a.number_checkpoints) : json(nullptr)},
+      {"synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary},
+      {"profile", a.profile}};
+  j["pipeline"] = {{"stages", pipeline.stages}, {"partition_method", pipeline.partition_method},
+                   {"activation_checkpoint_interval", pipeline.activation_checkpoint_interval},
+                   {"schedule", pipeline.schedule}};
+  j["tensor_parallel"] = {{"tp_size", tensor_parallel.tp_size}};
+  j["checkpoint"] = {{"tag_validation", checkpoint.tag_validation},
+                     {"load_universal", checkpoint.load_universal},
+                     {"use_node_local_storage", checkpoint.use_node_local_storage},
+                     {"keep_last", checkpoint.keep_last}};
+  j["csv_monitor"] = monitor(csv_monitor);
+  j["tensorboard"] = monitor(tensorboard);
+  j["torchspeed"] = {{"unknown_keys", torchspeed.unknown_keys},
+                     {"intra_op_threads", torchspeed.intra_op_threads},
+                     {"comm_timeout_s", torchspeed.comm_timeout_s},
+                     {"comm_chunk_bytes", torchspeed.comm_chunk_bytes}};
+  for (const auto& [k, v] : sections.items()) j[k] = v;
+  j["world"] = {{"world_size", world_size}, {"tp", tp}, {"pp", pp}, {"dp", dp}};
+  return j;
+}
+
+}  // namespace torchspeed::config

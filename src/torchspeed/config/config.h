@@ -1,0 +1,192 @@
+// The DeepSpeed-compatible training config, parsed once into typed structs with DeepSpeed's
+// defaults, plus torchspeed's own sections. Config::load() collects every problem (with its JSON
+// path) and throws ConfigError listing them all.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::config {
+
+class ConfigError : public Error {
+ public:
+  explicit ConfigError(std::vector<std::string> errors);
+  const std::vector<std::string>& errors() const { return errors_; }
+
+ private:
+  std::vector<std::string> errors_;
+};
+
+struct FP16Config {
+  bool enabled = false;
+  bool auto_cast = false;
+  double loss_scale = 0.0;  // 0 = dynamic loss scaling
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  double min_loss_scale = 1.0;
+  bool dynamic() const { return loss_scale == 0.0; }
+};
+
+struct BF16Config {
+  bool enabled = false;
+};
+
+struct OptimizerConfig {
+  std::string type;  // "" (none), "Adam", "AdamW", "SGD"
+  double lr = 1e-3;
+  std::vector<double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool bias_correction = true;
+  bool adam_w_mode = true;  // DeepSpeed's Adam decouples weight decay unless adam_w_mode=false
+  double momentum = 0.0;    // SGD
+  double dampening = 0.0;
+  bool nesterov = false;
+};
+
+struct SchedulerConfig {
+  std::string type;  // "" (constant LR), WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest
+  std::map<std::string, double> params;  // every parameter of `type`, defaults filled in
+  std::string warmup_type = "log";       // "log" or "linear" (Warmup* schedules)
+  double param(const std::string& name) const;
+};
+
+struct OffloadConfig {
+  std::string device = "none";  // none, cpu, nvme
+  std::string nvme_path;
+  bool pin_memory = false;
+  int64_t buffer_count = 5;
+  int64_t buffer_size = 100000000;
+  int64_t max_in_cpu = 1000000000;
+  double ratio = 1.0;
+  bool enabled() const { return device != "none"; }
+};
+
+struct ZeroConfig {
+  int stage = 0;
+  bool contiguous_gradients = true;
+  bool reduce_scatter = true;
+  int64_t reduce_bucket_size = 500000000;
+  bool allgather_partitions = true;
+  int64_t allgather_bucket_size = 500000000;
+  bool overlap_comm = false;  // DeepSpeed: true by default at stage 3
+  bool load_from_fp32_weights = true;
+  bool elastic_checkpoint = false;
+  OffloadConfig offload_optimizer;
+  OffloadConfig offload_param;
+  int64_t sub_group_size = 1000000000;
+  int64_t prefetch_bucket_size = 50000000;
+  int64_t param_persistence_threshold = 100000;
+  int64_t model_persistence_threshold = INT64_MAX;
+  int64_t max_live_parameters = 1000000000;
+  int64_t max_reuse_distance = 1000000000;
+  bool gather_16bit_weights_on_model_save = false;
+  bool round_robin_gradients = false;
+  bool ignore_unused_parameters = true;
+};
+
+struct ActivationCheckpointingConfig {
+  bool partition_activations = false;
+  bool contiguous_memory_optimization = false;
+  bool cpu_checkpointing = false;
+  std::optional<int64_t> number_checkpoints;
+  bool synchronize_checkpoint_boundary = false;
+  bool profile = false;
+};
+
+struct PipelineConfig {
+  int stages = 1;
+  std::string partition_method = "parameters";  // uniform, parameters, type:REGEX
+  int activation_checkpoint_interval = 0;
+  std::string schedule = "1f1b";  // 1f1b, gpipe
+};
+
+struct TensorParallelConfig {
+  int tp_size = 1;
+};
+
+struct CheckpointConfig {
+  std::string tag_validation = "Warn";  // Ignore, Warn, Fail
+  bool load_universal = false;
+  bool use_node_local_storage = false;
+  int keep_last = 0;  // 0 keeps every checkpoint
+};
+
+struct MonitorConfig {
+  bool enabled = false;
+  std::string output_path;
+  std::string job_name = "DeepSpeedJobName";
+};
+
+// torchspeed's own settings, under the "torchspeed" key.
+struct TorchspeedConfig {
+  std::string unknown_keys = "error";  // "warn": lenient mode for configs with foreign keys
+  int intra_op_threads = 0;            // 0 = cores per rank
+  double comm_timeout_s = 600.0;
+  int64_t comm_chunk_bytes = 4 << 20;
+};
+
+// The world the config is resolved for.
+struct WorldShape {
+  int world_size = 1;
+  int tp = 0;  // 0 = from the config (tensor_parallel.tp_size), else 1
+  int pp = 0;  // 0 = from the config (pipeline.stages), else 1
+};
+
+struct Config {
+  // Batch sizes as resolved: train_batch_size = micro * grad_accum * dp.
+  int64_t train_batch_size = 0;
+  int64_t train_micro_batch_size_per_gpu = 0;
+  int64_t gradient_accumulation_steps = 1;
+  int steps_per_print = 10;
+  bool wall_clock_breakdown = false;
+  bool prescale_gradients = false;
+  double gradient_predivide_factor = 1.0;
+  double gradient_clipping = 0.0;
+  std::string communication_data_type;  // "" = the compute dtype; fp32, fp16, bf16
+  int64_t seed = 1234;
+  bool memory_breakdown = false;
+
+  FP16Config fp16;
+  BF16Config bf16;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  ZeroConfig zero;
+  ActivationCheckpointingConfig activation_checkpointing;
+  PipelineConfig pipeline;
+  TensorParallelConfig tensor_parallel;
+  CheckpointConfig checkpoint;
+  MonitorConfig csv_monitor;
+  MonitorConfig tensorboard;
+  TorchspeedConfig torchspeed;
+
+  // Sections owned by other components ("model", "data", "train"), kept as written; their
+  // owners validate them.
+  nlohmann::json sections = nlohmann::json::object();
+
+  int world_size = 1, tp = 1, pp = 1, dp = 1;
+  std::vector<std::string> warnings;
+  nlohmann::json source;  // the config as written
+
+  // Parses and resolves; throws ConfigError listing every problem found.
+  static Config parse(const nlohmann::json& j, const WorldShape& world = WorldShape());
+  // Reads a file (JSON errors name the file, line and column) and parses it.
+  static Config load(const std::string& path, const WorldShape& world = WorldShape());
+
+  // The resolved config as DeepSpeed-style JSON, defaults and derived values filled in.
+  nlohmann::json to_json() const;
+};
+
+// Reads a JSON file; a syntax error names the file, byte offset, line and column.
+nlohmann::json read_json_file(const std::string& path);
+
+}  // namespace torchspeed::config

@@ -1,0 +1,255 @@
+// mpirun command construction and process start-up (execvp / posix_spawnp, no shell).
+#include "torchspeed/runtime/launcher.h"
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "torchspeed/runtime/cpu.h"
+#include "torchspeed/runtime/error.h"
+
+extern char** environ;
+
+namespace torchspeed::launcher {
+namespace {
+
+std::string trim(const std::string& s) {
+  size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  size_t e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream in(s);
+  while (std::getline(in, cur, sep)) out.push_back(cur);
+  return out;
+}
+
+bool valid_host(const std::string& h) {
+  return !h.empty() && h[0] != '-' &&
+         std::all_of(h.begin(), h.end(), [](unsigned char c) {
+           return std::isalnum(c) || c == '.' || c == '-' || c == '_' || c == ':';
+         });
+}
+
+// "host1@host2:0,2" -> host -> slots (empty = all).
+std::map<std::string, std::set<int>> parse_filter(const std::string& spec, const char* flag) {
+  std::map<std::string, std::set<int>> out;
+  for (const auto& part : split(spec, '@')) {
+    std::string p = trim(part);
+    TS_CHECK(!p.empty(), flag, " '", spec, "': empty host entry");
+    auto colon = p.find(':');
+    std::string host = p.substr(0, colon);
+    TS_CHECK(valid_host(host), flag, " '", spec, "': invalid host name '", host, "'");
+    auto& slots = out[host];
+    if (colon == std::string::npos) continue;
+    for (const auto& s : split(p.substr(colon + 1), ',')) {
+      char* end = nullptr;
+      long v = std::strtol(s.c_str(), &end, 10);
+      TS_CHECK(!s.empty() && end && *end == '\0' && v >= 0, flag, " '", spec,
+               "': slot '", s, "' of host ", host, " is not a non-negative integer");
+      slots.insert(static_cast<int>(v));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<HostSlots> parse_hostfile_text(const std::string& text, const std::string& name) {
+  std::vector<HostSlots> hosts;
+  std::set<std::string> seen;
+  std::istringstream in(text);
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    line = trim(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    std::istringstream fields(line);
+    std::string host, slots_field, extra;
+    fields >> host >> slots_field >> extra;
+    TS_CHECK(valid_host(host), name, ":", lineno, ": invalid host name '", host, "'");
+    TS_CHECK(slots_field.rfind("slots=", 0) == 0 && extra.empty(), name, ":", lineno,
+             ": expected 'HOST slots=N', found '", line, "'");
+    char* end = nullptr;
+    long n = std::strtol(slots_field.c_str() + 6, &end, 10);
+    TS_CHECK(end && *end == '\0' && n > 0 && n < 1000000, name, ":", lineno,
+             ": slots must be a positive integer, found '", slots_field.substr(6), "'");
+    TS_CHECK(seen.insert(host).second, name, ":", lineno, ": host '", host,
+             "' is listed twice");
+    HostSlots h{host, {}};
+    for (int i = 0; i < n; ++i) h.slots.push_back(i);
+    hosts.push_back(std::move(h));
+  }
+  TS_CHECK(!hosts.empty(), name, ": no hosts found (expected lines 'HOST slots=N')");
+  return hosts;
+}
+
+std::vector<HostSlots> parse_hostfile(const std::string& path) {
+  std::ifstream in(path);
+  TS_CHECK(in.good(), "cannot open hostfile '", path, "': ", std::strerror(errno));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_hostfile_text(ss.str(), path);
+}
+
+std::vector<HostSlots> filter_hosts(const std::vector<HostSlots>& hosts,
+                                    const std::string& include, const std::string& exclude) {
+  TS_CHECK(include.empty() || exclude.empty(), "--include and --exclude are mutually exclusive");
+  if (include.empty() && exclude.empty()) return hosts;
+  const bool inc = !include.empty();
+  auto filter = parse_filter(inc ? include : exclude, inc ? "--include" : "--exclude");
+  for (const auto& [host, slots] : filter) {
+    auto it = std::find_if(hosts.begin(), hosts.end(), [&](const HostSlots& h) { return h.host == host; });
+    TS_CHECK(it != hosts.end(), inc ? "--include" : "--exclude", ": host '", host,
+             "' is not in the hostfile");
+    for (int s : slots) {
+      TS_CHECK(std::find(it->slots.begin(), it->slots.end(), s) != it->slots.end(),
+               inc ? "--include" : "--exclude", ": host '", host, "' has no slot ", s, " (slots 0..",
+               it->slots.size() - 1, ")");
+    }
+  }
+  std::vector<HostSlots> out;
+  for (const auto& h : hosts) {
+    auto f = filter.find(h.host);
+    HostSlots kept{h.host, {}};
+    for (int s : h.slots) {
+      bool listed = f != filter.end() && (f->second.empty() || f->second.count(s));
+      if (listed == inc) kept.slots.push_back(s);
+    }
+    if (!kept.slots.empty()) out.push_back(std::move(kept));
+  }
+  TS_CHECK(!out.empty(), "--include/--exclude left no slots to run on");
+  return out;
+}
+
+LaunchContext LaunchContext::current() {
+  LaunchContext ctx;
+  ctx.is_root = geteuid() == 0;
+  ctx.local_cores = cpu::features().logical_cores;
+  ctx.openblas_coretype = cpu::recommended_openblas_coretype();
+  for (char** e = environ; *e; ++e) {
+    std::string kv(*e);
+    std::string name = kv.substr(0, kv.find('='));
+    if (name.rfind("TORCHSPEED_", 0) == 0 || name.rfind("OPENBLAS_", 0) == 0 ||
+        name.rfind("OMP_", 0) == 0) {
+      ctx.env_names.push_back(name);
+    }
+  }
+  std::sort(ctx.env_names.begin(), ctx.env_names.end());
+  return ctx;
+}
+
+std::vector<std::string> build_command(const LaunchOptions& o, const LaunchContext& ctx) {
+  TS_CHECK(!o.program.empty(), "launch: no program given (usage: torchspeed launch -n N -- PROGRAM ARGS...)");
+  TS_CHECK(o.num_ranks >= 0, "launch: -n must be >= 1, got ", o.num_ranks);
+  std::vector<std::string> argv{o.mpirun};
+  int ranks = o.num_ranks;
+  bool oversubscribe = false;
+  bool multi_node = false;
+  if (!o.hostfile.empty()) {
+    auto hosts = filter_hosts(parse_hostfile(o.hostfile), o.include, o.exclude);
+    int slots = 0;
+    std::string list;
+    for (const auto& h : hosts) {
+      slots += static_cast<int>(h.slots.size());
+      list += concat(list.empty() ? "" : ",", h.host, ":", h.slots.size());
+    }
+    if (ranks == 0) ranks = slots;
+    oversubscribe = ranks > slots;
+    multi_node = hosts.size() > 1;
+    argv.insert(argv.end(), {"--host", list});
+  } else {
+    TS_CHECK(o.include.empty() && o.exclude.empty(), "launch: --include/--exclude need --hostfile");
+    if (ranks == 0) ranks = 1;
+    oversubscribe = ranks > ctx.local_cores;
+  }
+  argv.insert(argv.end(), {"-np", std::to_string(ranks)});
+  if (ctx.is_root) argv.push_back("--allow-run-as-root");
+  if (oversubscribe) argv.push_back("--oversubscribe");
+  // Each rank gets cores/ranks cores to itself when they divide evenly on one node; otherwise
+  // no binding (mpirun's default binds every rank to a single core).
+  if (!multi_node && !oversubscribe && ctx.local_cores % ranks == 0) {
+    argv.insert(argv.end(), {"--map-by", concat("slot:PE=", ctx.local_cores / ranks), "--bind-to", "core"});
+  } else {
+    argv.insert(argv.end(), {"--bind-to", "none"});
+  }
+  // Environment: what the ranks need, exported by name (mpirun -x NAME=VALUE / -x NAME).
+  if (!ctx.openblas_coretype.empty()) argv.insert(argv.end(), {"-x", "OPENBLAS_CORETYPE=" + ctx.openblas_coretype});
+  for (const auto& name : ctx.env_names) {
+    if (name == "OPENBLAS_CORETYPE" && !ctx.openblas_coretype.empty()) continue;
+    argv.insert(argv.end(), {"-x", name});
+  }
+  for (const auto& kv : o.extra_env) {
+    TS_CHECK(kv.find('=') != std::string::npos && kv[0] != '=', "launch: environment entry '", kv,
+             "' must be NAME=VALUE");
+    argv.insert(argv.end(), {"-x", kv});
+  }
+  if (multi_node) argv.insert(argv.end(), {"-x", "PATH", "-x", "LD_LIBRARY_PATH"});
+  argv.insert(argv.end(), o.program.begin(), o.program.end());
+  return argv;
+}
+
+std::string render_command(const std::vector<std::string>& argv) {
+  std::string out;
+  for (const auto& a : argv) {
+    bool plain = !a.empty() && std::all_of(a.begin(), a.end(), [](unsigned char c) {
+      return std::isalnum(c) || std::strchr("-_./=:,@%+", c);
+    });
+    std::string q = a;
+    if (!plain) {
+      q = "'";
+      for (char c : a) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      q += "'";
+    }
+    out += (out.empty() ? "" : " ") + q;
+  }
+  return out;
+}
+
+void exec_command(const std::vector<std::string>& argv) {
+  TS_CHECK(!argv.empty(), "exec_command: empty command");
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  execvp(args[0], args.data());
+  throw Error(concat("cannot start '", argv[0], "': ", std::strerror(errno),
+                  argv[0] == "mpirun" ? " (install OpenMPI: apt-get install openmpi-bin)" : ""));
+}
+
+int run_command(const std::vector<std::string>& argv) {
+  TS_CHECK(!argv.empty(), "run_command: empty command");
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  int rc = posix_spawnp(&pid, args[0], nullptr, nullptr, args.data(), environ);
+  TS_CHECK(rc == 0, "cannot start '", argv[0], "': ", std::strerror(rc));
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    TS_CHECK(errno == EINTR, "waiting for '", argv[0], "': ", std::strerror(errno));
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+bool under_launcher() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") ||
+         std::getenv("PMIX_RANK") || (std::getenv("SLURM_PROCID") && std::getenv("SLURM_NTASKS") &&
+                                      std::getenv("SLURM_STEP_ID"));
+}
+
+}  // namespace torchspeed::launcher

@@ -1,0 +1,11 @@
+// torchspeed: DeepSpeed's capabilities, natively in C++, for LibTorch. The umbrella header.
+#pragma once
+
+#include "torchspeed/comm/communicator.h"
+#include "torchspeed/config/config.h"
+#include "torchspeed/parallel/process_grid.h"
+#include "torchspeed/runtime/cpu.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/runtime/logging.h"
+#include "torchspeed/runtime/runtime.h"

@@ -1,0 +1,205 @@
+// Every collective x dtype x size against a reference each rank computes from all ranks' inputs.
+// Sizes: 0, 1, odd, not divisible by the rank count, and larger than one chunk (chunked and
+// pipelined paths). bf16/fp16 sums must equal an fp32 left-to-right sum rounded once, bit for bit.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "dist_util.h"
+#include "torchspeed/runtime/error.h"
+
+using torchspeed::comm::ReduceOp;
+using ts_test::rank_data;
+using ts_test::world;
+
+namespace {
+
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
+                                             at::kInt,   at::kLong,   at::kByte};
+// 1.5M elements: 6 MiB in fp32, so the 4 MiB-chunked paths run with a partial last chunk.
+const std::vector<int64_t> kSizes = {0, 1, 7, 1001, 1500007};
+
+bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// Reference: fp32 (fp64 for double) left to right in rank order, rounded once to the dtype.
+at::Tensor reference(ReduceOp op, int p, int64_t n, at::ScalarType dt, bool integral) {
+  at::ScalarType acc_t = dt == at::kDouble ? at::kDouble
+                         : at::isFloatingType(dt) ? at::kFloat
+                                                  : at::kLong;
+  at::Tensor acc = rank_data(0, n, dt, integral).to(acc_t);
+  for (int r = 1; r < p; ++r) {
+    at::Tensor x = rank_data(r, n, dt, integral).to(acc_t);
+    if (op == ReduceOp::kMax) acc = at::maximum(acc, x);
+    else if (op == ReduceOp::kMin) acc = at::minimum(acc, x);
+    else acc = acc + x;
+  }
+  if (op == ReduceOp::kAvg) acc = acc / p;
+  if (dt == at::kByte) acc = acc.remainder(256);  // uint8 sums wrap, as MPI's do
+  return acc.to(dt);
+}
+
+std::vector<ReduceOp> ops_for(at::ScalarType dt) {
+  if (at::isFloatingType(dt)) return {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin};
+  return {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin};
+}
+
+void expect_equal(const at::Tensor& got, const at::Tensor& want, bool exact, const std::string& what) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  if (got.numel() == 0) return;
+  if (exact) {
+    // Bitwise: compare the raw bytes.
+    auto g = got.contiguous().view(at::kByte), w = want.contiguous().view(at::kByte);
+    ASSERT_TRUE(at::equal(g, w)) << what << ": max abs diff "
+                                 << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+  } else {
+    ASSERT_TRUE(at::allclose(got.to(at::kDouble), want.to(at::kDouble), 1e-5, 1e-5))
+        << what << ": max abs diff "
+        << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+  }
+}
+
+std::string name_of(const char* op, at::ScalarType dt, ReduceOp rop, int64_t n) {
+  return torchspeed::concat(op, " ", dt, " ", torchspeed::comm::reduce_op_name(rop), " n=", n);
+}
+
+}  // namespace
+
+TEST(Collectives, AllReduceEveryDtypeOpAndSize) {
+  auto& w = *world();
+  for (auto dt : kDtypes) {
+    for (auto op : ops_for(dt)) {
+      for (int64_t n : kSizes) {
+        // fp32/fp64 sums go through MPI's own reduction order: use integer values so every order
+        // is exact. Half types use our fixed-order kernel: random values, exact bits.
+        const bool integral = !is_half(dt) && op != ReduceOp::kAvg;
+        at::Tensor t = rank_data(w.rank(), n, dt, integral);
+        w.all_reduce(t, op);
+        expect_equal(t, reference(op, w.size(), n, dt, integral), integral || is_half(dt),
+                     name_of("all_reduce", dt, op, n));
+      }
+    }
+  }
+}
+
+TEST(Collectives, HalfSumsRoundOnceInFp32) {
+  // 1 + 2^-9 four times: bf16 has 8 significand bits, so a pairwise bf16 sum loses every 2^-9
+  // term (1 + 2^-9 rounds to 1), while fp32 accumulation keeps them: 4 + 4 * 2^-9 = 4.0078125,
+  // which bf16 rounds to 4.0 at p = 2 and to 4.03125 at p = 4 (exactly representable).
+  auto& w = *world();
+  at::Tensor t = at::full({1000}, 1.0 + 1.0 / 512, at::kFloat).to(at::kBFloat16);
+  float exact = 0.0f;
+  for (int r = 0; r < w.size(); ++r) exact += t[0].item<float>();
+  w.all_reduce(t);
+  float want = at::full({1}, exact, at::kFloat).to(at::kBFloat16).item<float>();
+  EXPECT_EQ(t[0].item<float>(), want);
+  EXPECT_TRUE(at::equal(t, at::full({1000}, want, at::kFloat).to(at::kBFloat16)));
+}
+
+TEST(Collectives, ReduceScatterEveryDtypeAndSize) {
+  auto& w = *world();
+  const int p = w.size();
+  for (auto dt : kDtypes) {
+    for (auto op : ops_for(dt)) {
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{1001}, int64_t{700001}}) {
+        const bool integral = !is_half(dt) && op != ReduceOp::kAvg;
+        at::Tensor in = rank_data(w.rank(), n * p, dt, integral);
+        at::Tensor out = at::empty({n}, dt);
+        w.reduce_scatter(in, out, op);
+        at::Tensor full = reference(op, p, n * p, dt, integral);
+        expect_equal(out, full.narrow(0, w.rank() * n, n), integral || is_half(dt),
+                     name_of("reduce_scatter", dt, op, n));
+      }
+    }
+  }
+}
+
+TEST(Collectives, AllGatherEveryDtypeAndSize) {
+  auto& w = *world();
+  const int p = w.size();
+  for (auto dt : kDtypes) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{700001}}) {
+      at::Tensor in = rank_data(w.rank(), n, dt);
+      at::Tensor out = at::empty({n * p}, dt);
+      w.all_gather(in, out);
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < p; ++r) parts.push_back(rank_data(r, n, dt));
+      expect_equal(out, at::cat(parts), true, name_of("all_gather", dt, ReduceOp::kSum, n));
+    }
+  }
+}
+
+TEST(Collectives, BroadcastFromEveryRoot) {
+  auto& w = *world();
+  for (auto dt : kDtypes) {
+    for (int root = 0; root < w.size(); ++root) {
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1001}, int64_t{1500007}}) {
+        at::Tensor t = rank_data(w.rank(), n, dt);
+        w.broadcast(t, root);
+        expect_equal(t, rank_data(root, n, dt), true, name_of("broadcast", dt, ReduceOp::kSum, n));
+      }
+    }
+  }
+}
+
+TEST(Collectives, ManyAsyncOpsCompleteInOrder) {
+  auto& w = *world();
+  std::vector<at::Tensor> ts;
+  std::vector<torchspeed::comm::WorkPtr> works;
+  for (int i = 0; i < 24; ++i) {
+    int64_t n = (i % 3 == 0) ? 1200003 : 100 + i;
+    auto dt = i % 2 ? at::kBFloat16 : at::kFloat;
+    ts.push_back(rank_data(w.rank(), n, dt, !is_half(dt)));
+    works.push_back(w.all_reduce_async(ts.back()));
+  }
+  // A blocking op submitted behind the queue must wait its turn and still be right.
+  at::Tensor b = rank_data(w.rank(), 777, at::kLong);
+  w.all_reduce(b);
+  expect_equal(b, reference(ReduceOp::kSum, w.size(), 777, at::kLong, true), true, "blocking behind queue");
+  for (size_t i = 0; i < works.size(); ++i) {
+    works[i]->wait();
+    EXPECT_TRUE(works[i]->is_completed());
+    auto dt = ts[i].scalar_type();
+    expect_equal(ts[i], reference(ReduceOp::kSum, w.size(), ts[i].numel(), dt, !is_half(dt)), true,
+                 torchspeed::concat("async #", i));
+  }
+}
+
+TEST(Collectives, StatsCountPayloadBytes) {
+  auto& w = *world();
+  auto before = w.stats();
+  at::Tensor f = at::ones({1000}, at::kFloat), h = at::ones({1000}, at::kBFloat16);
+  w.all_reduce(f);
+  w.all_reduce(h);
+  auto after = w.stats();
+  EXPECT_EQ(after["all_reduce"].ops - before["all_reduce"].ops, 2);
+  EXPECT_EQ(after["all_reduce"].bytes - before["all_reduce"].bytes, 4000 + 2000);
+}
+
+TEST(Collectives, BadInputIsAClearError) {
+  auto& w = *world();
+  auto expect_error = [](auto fn, const std::string& needle) {
+    try {
+      fn();
+      FAIL() << "expected an error containing '" << needle << "'";
+    } catch (const torchspeed::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  at::Tensor m = at::ones({4, 6});
+  expect_error([&] { w.all_reduce(m.t()); }, "not contiguous");
+  expect_error([&] { w.all_reduce(at::ones({3}, at::kBool)); }, "has dtype Bool");
+  expect_error([&] { w.all_reduce(at::empty({3}, at::TensorOptions().device(at::kMeta))); }, "is on meta");
+  expect_error([&] { w.all_reduce(at::ones({3}, at::kInt), ReduceOp::kAvg); }, "needs a floating dtype");
+  expect_error([&] { w.reduce_scatter(at::ones({w.size() * 3 + 1}), at::ones({3})); }, "equal chunks");
+  expect_error([&] { w.all_gather(at::ones({3}), at::ones({3 * w.size() + 2})); }, "must hold");
+  expect_error([&] { w.all_gather(at::ones({3}), at::ones({3 * w.size()}, at::kDouble)); }, "differs from output dtype");
+  expect_error([&] { w.broadcast(at::ones({3}), w.size()); }, "not a rank of this group");
+  expect_error([&] { w.send(at::ones({3}), -1); }, "not a rank of this group");
+  expect_error([&] { w.all_reduce(at::Tensor()); }, "undefined tensor");
+  // The message names the op and group, so a user can tell which call was wrong.
+  expect_error([&] { w.all_reduce(m.t()); }, "all_reduce on group 'world' (rank ");
+  // After these errors the communicator is still usable.
+  at::Tensor t = at::ones({5});
+  w.all_reduce(t);
+  EXPECT_EQ(t[0].item<float>(), static_cast<float>(w.size()));
+}
