@@ -50,7 +50,11 @@ std::chrono::milliseconds default_timeout() {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
 }
 
-int64_t default_chunk_bytes() { return env_int64("TORCHSPEED_COMM_CHUNK_BYTES", 4 << 20); }
+int64_t default_one_phase_bytes() {
+  return env_int64("TORCHSPEED_COMM_ONE_PHASE_BYTES", 64 << 10);
+}
+
+int64_t default_chunk_bytes() { return env_int64("TORCHSPEED_COMM_CHUNK_BYTES", 1 << 20); }
 
 std::string Communicator::describe(const char* op) const {
   return concat(op, " on group '", name(), "' (rank ", rank(), " of ", size(), ", world rank ",

@@ -21,16 +21,21 @@ const char* reduce_op_name(ReduceOp op);
 
 // Deadline default: TORCHSPEED_COMM_TIMEOUT_S, else 10 minutes.
 std::chrono::milliseconds default_timeout();
-// Chunk default: TORCHSPEED_COMM_CHUNK_BYTES, else 4 MiB. See Note [Chunked collectives].
+// Chunk default: TORCHSPEED_COMM_CHUNK_BYTES, else 1 MiB. See Note [Direct algorithms].
 int64_t default_chunk_bytes();
+// One-phase all_reduce threshold: TORCHSPEED_COMM_ONE_PHASE_BYTES, else 64 KiB.
+int64_t default_one_phase_bytes();
 
 struct CommOptions {
   // How long wait() waits for an op (from its submission) before throwing CommError.
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
-  // Collectives larger than this are split into pipelined chunks of about this size.
+  // Collectives are split into pipelined chunks of about this size.
   TORCH_ARG(int64_t, chunk_bytes) = default_chunk_bytes();
   // Chunks of one collective in flight at once.
-  TORCH_ARG(int, chunks_in_flight) = 2;
+  TORCH_ARG(int, chunks_in_flight) = 4;
+  // all_reduce moving at most this many bytes per rank ((size-1) x tensor bytes) exchanges
+  // whole tensors in one round instead of reduce-scatter + all-gather (lower latency).
+  TORCH_ARG(int64_t, one_phase_bytes) = default_one_phase_bytes();
 };
 
 class Work {

@@ -19,11 +19,12 @@
 namespace torchspeed::comm::detail {
 namespace {
 
+// max/min propagate NaN (as at::maximum does): a NaN gradient must not vanish in a reduction.
 template <typename T, typename Acc>
 Acc combine(ReduceOp op, Acc a, Acc b) {
   switch (op) {
-    case ReduceOp::kMax: return a < b ? b : a;
-    case ReduceOp::kMin: return b < a ? b : a;
+    case ReduceOp::kMax: return (a != a || b != b) ? a + b : (a < b ? b : a);
+    case ReduceOp::kMin: return (a != a || b != b) ? a + b : (b < a ? b : a);
     default: return a + b;
   }
 }
@@ -51,11 +52,10 @@ bool has_avx512() {
 }
 
 __attribute__((target("avx512f"))) inline __m512 vcombine(ReduceOp op, __m512 a, __m512 b) {
-  switch (op) {
-    case ReduceOp::kMax: return _mm512_max_ps(a, b);
-    case ReduceOp::kMin: return _mm512_min_ps(a, b);
-    default: return _mm512_add_ps(a, b);
-  }
+  if (op != ReduceOp::kMax && op != ReduceOp::kMin) return _mm512_add_ps(a, b);
+  __m512 r = op == ReduceOp::kMax ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b);
+  // _mm512_max_ps drops a NaN in its first operand; propagate it like the scalar path.
+  return _mm512_mask_add_ps(r, _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
 }
 
 __attribute__((target("avx512f"))) inline __m512 load_bf16(const uint16_t* p) {

@@ -256,38 +256,48 @@ void read_monitor(JsonReader& r, MonitorConfig& c) {
   r.finish();
 }
 
-void resolve_batch(JsonReader& root, Config& c, std::optional<int64_t> train,
-                   std::optional<int64_t> micro, std::optional<int64_t> gas,
-                   std::vector<std::string>& errors) {
+void resolve_batch(Config& c, std::optional<int64_t> train, std::optional<int64_t> micro,
+                   std::optional<int64_t> gas, Diagnostics& diag) {
   const int64_t dp = c.dp;
+  const std::string dp_str = concat("data-parallel size ", dp, " (world ", c.world_size, " / (tp ",
+                                    c.tp, " x pp ", c.pp, "))");
+  auto divide = [&](int64_t total, int64_t by, const char* what, const std::string& by_str)
+      -> std::optional<int64_t> {
+    if (total % by == 0) return total / by;
+    diag.errors.push_back(concat("train_batch_size: ", total, " is not divisible by ", by_str, " = ",
+                                 by, ", so ", what, " cannot be derived; change train_batch_size "
+                                 "or run on a world size that divides it"));
+    return std::nullopt;
+  };
   // DeepSpeed's _set_batch_related_parameters, then _batch_assertion.
   if (train && micro && gas) {
-    // all given: checked below
+    if (*train != *micro * *gas * dp) {
+      diag.errors.push_back(concat(
+          "train_batch_size: ", *train, " != train_micro_batch_size_per_gpu ", *micro,
+          " x gradient_accumulation_steps ", *gas, " x ", dp_str, " = ", *micro * *gas * dp,
+          "; fix one of them, or give only two and let the third be derived"));
+      return;
+    }
   } else if (train && micro) {
-    gas = *train / (*micro * dp);
+    gas = divide(*train, *micro * dp, "gradient_accumulation_steps",
+                 concat("train_micro_batch_size_per_gpu ", *micro, " x ", dp_str));
   } else if (train && gas) {
-    micro = *train / (*gas * dp);
-  } else if (micro && gas) {
-    train = *micro * *gas * dp;
-  } else if (train) {
-    gas = 1;
-    micro = *train / dp;
+    micro = divide(*train, *gas * dp, "train_micro_batch_size_per_gpu",
+                   concat("gradient_accumulation_steps ", *gas, " x ", dp_str));
   } else if (micro) {
     gas = gas.value_or(1);
     train = *micro * *gas * dp;
+  } else if (train) {
+    gas = 1;
+    micro = divide(*train, dp, "train_micro_batch_size_per_gpu", dp_str);
   } else {
-    errors.push_back("train_batch_size: either train_batch_size or "
-                     "train_micro_batch_size_per_gpu must be given");
+    // DeepSpeed's autotuning templates leave batch sizes to the tuner: the config is accepted
+    // and the engine asks for them (Config::check_batch_sizes).
+    diag.warnings.push_back("train_batch_size: neither train_batch_size nor "
+                            "train_micro_batch_size_per_gpu is given; training needs one of them");
     return;
   }
-  if (*micro <= 0 || *gas <= 0 || *train != *micro * *gas * dp) {
-    errors.push_back(concat("train_batch_size: ", *train, " is not train_micro_batch_size_per_gpu (",
-                         *micro, ") x gradient_accumulation_steps (", *gas,
-                         ") x data-parallel size (", dp, " = world ", c.world_size, " / (tp ", c.tp,
-                         " x pp ", c.pp, ")); choose sizes with train_batch_size = micro x "
-                         "grad_accum x dp, or give only two of them"));
-    return;
-  }
+  if (!micro || !gas) return;
   c.train_batch_size = *train;
   c.train_micro_batch_size_per_gpu = *micro;
   c.gradient_accumulation_steps = *gas;
@@ -317,6 +327,12 @@ ConfigError::ConfigError(std::vector<std::string> errors)
       }()),
       errors_(std::move(errors)) {}
 
+void Config::check_batch_sizes() const {
+  TS_CHECK(train_batch_size > 0,
+           "the config gives no batch size: set train_batch_size or "
+           "train_micro_batch_size_per_gpu (with gradient_accumulation_steps)");
+}
+
 double SchedulerConfig::param(const std::string& name) const {
   auto it = params.find(name);
   TS_CHECK(it != params.end(), "scheduler ", type, " has no parameter '", name, "'");
@@ -336,7 +352,7 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
     diag.unknown_keys_are_errors = c.torchspeed.unknown_keys == "error";
     c.torchspeed.intra_op_threads = static_cast<int>(t->get_int("intra_op_threads", 0, 0, 4096));
     c.torchspeed.comm_timeout_s = t->get_double("comm_timeout_s", 600.0, 1e-3);
-    c.torchspeed.comm_chunk_bytes = t->get_int("comm_chunk_bytes", 4 << 20, 4096, int64_t{1} << 30);
+    c.torchspeed.comm_chunk_bytes = t->get_int("comm_chunk_bytes", 1 << 20, 4096, int64_t{1} << 30);
     t->finish();
   }
 
@@ -423,7 +439,7 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
                               " = ", c.tp * c.pp, " does not divide the world size ", c.world_size));
   } else {
     c.dp = c.world_size / (c.tp * c.pp);
-    resolve_batch(r, c, train, micro, gas, diag.errors);
+    resolve_batch(c, train, micro, gas, diag);
   }
   if (c.zero.stage >= 2 && c.pp > 1) {
     diag.errors.push_back(concat("zero_optimization.stage: stage ", c.zero.stage,
@@ -463,10 +479,16 @@ Config Config::load(const std::string& path, const WorldShape& world) {
 
 nlohmann::json Config::to_json() const {
   using nlohmann::json;
-  auto offload = [](const OffloadConfig& o) {
-    return json{{"device", o.device}, {"nvme_path", o.nvme_path}, {"pin_memory", o.pin_memory},
-                {"buffer_count", o.buffer_count}, {"buffer_size", o.buffer_size},
-                {"max_in_cpu", o.max_in_cpu}, {"ratio", o.ratio}};
+  auto offload = [](const OffloadConfig& o, bool optimizer) {
+    json j{{"device", o.device}, {"nvme_path", o.nvme_path}, {"pin_memory", o.pin_memory},
+           {"buffer_count", o.buffer_count}};
+    if (optimizer) {
+      j["ratio"] = o.ratio;
+    } else {
+      j["buffer_size"] = o.buffer_size;
+      j["max_in_cpu"] = o.max_in_cpu;
+    }
+    return j;
   };
   auto monitor = [](const MonitorConfig& m) {
     return json{{"enabled", m.enabled}, {"output_path", m.output_path}, {"job_name", m.job_name}};
@@ -505,6 +527,9 @@ nlohmann::json Config::to_json() const {
   }
   if (!scheduler.type.empty()) {
     json p(scheduler.params);
+    for (const char* flag : {"cycle_momentum", "lr_range_test_staircase"}) {
+      if (p.contains(flag)) p[flag] = p[flag].get<double>() != 0.0;
+    }
     if (scheduler.type.rfind("Warmup", 0) == 0) p["warmup_type"] = scheduler.warmup_type;
     j["scheduler"] = {{"type", scheduler.type}, {"params", p}};
   }
@@ -516,8 +541,8 @@ nlohmann::json Config::to_json() const {
       {"allgather_bucket_size", z.allgather_bucket_size}, {"overlap_comm", z.overlap_comm},
       {"load_from_fp32_weights", z.load_from_fp32_weights},
       {"elastic_checkpoint", z.elastic_checkpoint},
-      {"offload_optimizer", offload(z.offload_optimizer)},
-      {"offload_param", offload(z.offload_param)}, {"sub_group_size", z.sub_group_size},
+      {"offload_optimizer", offload(z.offload_optimizer, true)},
+      {"offload_param", offload(z.offload_param, false)}, {"sub_group_size", z.sub_group_size},
       {"stage3_prefetch_bucket_size", z.prefetch_bucket_size},
       {"stage3_param_persistence_threshold", z.param_persistence_threshold},
       {"stage3_model_persistence_threshold", z.model_persistence_threshold},

@@ -132,7 +132,7 @@ struct TorchspeedConfig {
   std::string unknown_keys = "error";  // "warn": lenient mode for configs with foreign keys
   int intra_op_threads = 0;            // 0 = cores per rank
   double comm_timeout_s = 600.0;
-  int64_t comm_chunk_bytes = 4 << 20;
+  int64_t comm_chunk_bytes = 1 << 20;
 };
 
 // The world the config is resolved for.
@@ -143,7 +143,8 @@ struct WorldShape {
 };
 
 struct Config {
-  // Batch sizes as resolved: train_batch_size = micro * grad_accum * dp.
+  // Batch sizes as resolved: train_batch_size = micro * grad_accum * dp; 0 when the config gives
+  // none (templates), which check_batch_sizes() refuses.
   int64_t train_batch_size = 0;
   int64_t train_micro_batch_size_per_gpu = 0;
   int64_t gradient_accumulation_steps = 1;
@@ -181,6 +182,9 @@ struct Config {
   static Config parse(const nlohmann::json& j, const WorldShape& world = WorldShape());
   // Reads a file (JSON errors name the file, line and column) and parses it.
   static Config load(const std::string& path, const WorldShape& world = WorldShape());
+
+  // Throws when the config gave no batch size (training needs one).
+  void check_batch_sizes() const;
 
   // The resolved config as DeepSpeed-style JSON, defaults and derived values filled in.
   nlohmann::json to_json() const;

@@ -246,6 +246,17 @@ int run_command(const std::vector<std::string>& argv) {
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
 
+void reexec_with_fast_blas(int argc, char** argv) {
+  const std::string core = cpu::recommended_openblas_coretype();
+  if (core.empty() || std::getenv("TORCHSPEED_BLAS_REEXEC")) return;
+  setenv("OPENBLAS_CORETYPE", core.c_str(), 0);
+  setenv("TORCHSPEED_BLAS_REEXEC", "1", 1);  // at most once, even if exec'ing changes nothing
+  std::vector<char*> args(argv, argv + argc);
+  args.push_back(nullptr);
+  execv("/proc/self/exe", args.data());
+  // exec failed: carry on with the slow kernels rather than fail.
+}
+
 bool under_launcher() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") ||
          std::getenv("PMIX_RANK") || (std::getenv("SLURM_PROCID") && std::getenv("SLURM_NTASKS") &&

@@ -54,6 +54,12 @@ std::string render_command(const std::vector<std::string>& argv);
 // Runs argv as a child (posix_spawnp), waits, and returns its exit status.
 int run_command(const std::vector<std::string>& argv);
 
+// See Note [OpenBLAS core type]: when the CPU has AVX-512 and OPENBLAS_CORETYPE is unset, sets
+// it and re-executes this program (same pid, same arguments) so OpenBLAS loads its fast
+// kernels. Returns normally when nothing needs doing. For programs that own main(), called
+// before anything else (the torchspeed CLI does).
+void reexec_with_fast_blas(int argc, char** argv);
+
 // True when this process was started by an MPI launcher or Slurm (then no launch is needed).
 bool under_launcher();
 

@@ -168,6 +168,17 @@ void abort_job(const std::string& message, int exit_code) {
   std::_Exit(exit_code);
 }
 
+std::string mpi_library_version() {
+  char buf[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
+  int len = 0;
+  MPI_Get_library_version(buf, &len);
+  std::string v(buf, static_cast<size_t>(len));
+  auto nl = v.find_first_of("\n,");
+  return nl == std::string::npos ? v : v.substr(0, nl);
+}
+
+const char* version() { return TORCHSPEED_VERSION; }
+
 namespace runtime_detail {
 void add_shutdown_hook(std::function<void()> hook) {
   std::lock_guard<std::mutex> lock(g_mu);

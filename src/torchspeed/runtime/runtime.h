@@ -47,6 +47,11 @@ void shutdown();
 // Ends every rank of the job now with `message` logged on this rank.
 [[noreturn]] void abort_job(const std::string& message, int exit_code = 1);
 
+// "Open MPI v4.1.4, ..." (first line of MPI_Get_library_version); works before init().
+std::string mpi_library_version();
+// torchspeed's version string.
+const char* version();
+
 namespace runtime_detail {
 // Hooks run by shutdown() before MPI_Finalize (communicators stop their threads here).
 void add_shutdown_hook(std::function<void()> hook);

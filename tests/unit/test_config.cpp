@@ -1,0 +1,261 @@
+// Config loading: every real DeepSpeed config, DeepSpeed's batch-size rules, DeepSpeed's
+// defaults, and one test per documented error (each names its JSON path).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "torchspeed/config/config.h"
+#include "torchspeed/config/json_reader.h"
+
+using nlohmann::json;
+using torchspeed::config::Config;
+using torchspeed::config::ConfigError;
+using torchspeed::config::WorldShape;
+
+namespace {
+
+WorldShape world(int n, int tp = 0, int pp = 0) {
+  WorldShape w;
+  w.world_size = n;
+  w.tp = tp;
+  w.pp = pp;
+  return w;
+}
+
+// All error messages of parsing `j`, joined; "" when it parses.
+std::string errors_of(const json& j, WorldShape w = world(1)) {
+  try {
+    Config::parse(j, w);
+    return "";
+  } catch (const ConfigError& e) {
+    std::string all;
+    for (const auto& m : e.errors()) all += m + "\n";
+    return all;
+  }
+}
+
+void expect_error(const json& j, const std::string& needle, WorldShape w = world(1)) {
+  std::string errs = errors_of(j, w);
+  EXPECT_NE(errs.find(needle), std::string::npos)
+      << "expected an error containing: " << needle << "\ngot: " << (errs.empty() ? "(no error)" : errs);
+}
+
+}  // namespace
+
+TEST(Config, EveryRealDeepSpeedConfigLoads) {
+  // (file, world) -> (train, micro, gas); at other world sizes the batch may not divide.
+  struct Case {
+    const char* file;
+    int world;
+    int64_t train, micro, gas;
+  };
+  const std::vector<Case> cases = {
+      {"model_BingBertSquad_deepspeed_bsz24_fp16_zero2_config.json", 1, 24, 3, 8},
+      {"model_BingBertSquad_deepspeed_bsz24_fp16_zero2_config.json", 2, 24, 3, 4},
+      {"model_BingBertSquad_deepspeed_bsz24_fp16_zero2_config.json", 8, 24, 3, 1},
+      {"model_BingBertSquad_deepspeed_bsz24_fp32_config.json", 4, 24, 3, 2},
+      {"model_Megatron_GPT2_ds_config_func_bs4_zero2_offload.json", 2, 4, 2, 1},
+      {"model_Megatron_GPT2_ds_config_func_bs8_zero0_gas3.json", 2, 48, 8, 3},
+      {"model_Megatron_GPT2_ds_config_func_scheduler.json", 4, 4, 1, 1},
+      {"model_Megatron_GPT2_ds_config_perf_bs16.json", 2, 16, 8, 1},
+      {"unit_ds_batch_config.json", 2, 2, 1, 1},
+      {"deepspeed_autotuning_config_templates_template_zero3.json", 2, 0, 0, 1},
+  };
+  size_t seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(TS_DS_CONFIGS_DIR)) {
+    if (entry.path().extension() != ".json") continue;
+    ++seen;
+    bool covered = false;
+    for (const auto& c : cases) {
+      if (entry.path().filename() != c.file) continue;
+      covered = true;
+      Config cfg = Config::load(entry.path().string(), world(c.world));
+      EXPECT_EQ(cfg.train_batch_size, c.train) << c.file;
+      EXPECT_EQ(cfg.train_micro_batch_size_per_gpu, c.micro) << c.file;
+      EXPECT_EQ(cfg.gradient_accumulation_steps, c.gas) << c.file;
+    }
+    EXPECT_TRUE(covered) << "new config without a test case: " << entry.path();
+  }
+  EXPECT_GE(seen, 8u) << "expected the real DeepSpeed configs in " << TS_DS_CONFIGS_DIR;
+}
+
+TEST(Config, RealConfigDetailsAreRead) {
+  auto dir = std::string(TS_DS_CONFIGS_DIR) + "/";
+  Config a = Config::load(dir + "model_Megatron_GPT2_ds_config_func_bs4_zero2_offload.json", world(2));
+  EXPECT_EQ(a.zero.stage, 2);
+  EXPECT_EQ(a.zero.reduce_bucket_size, 7000000);
+  EXPECT_EQ(a.zero.offload_optimizer.device, "cpu");  // deprecated cpu_offload: true
+  EXPECT_TRUE(a.fp16.enabled);
+  EXPECT_TRUE(a.fp16.dynamic());
+  EXPECT_EQ(a.fp16.initial_scale_power, 16);  // DeepSpeed default when not written
+  ASSERT_FALSE(a.warnings.empty());
+  EXPECT_NE(a.warnings[0].find("cpu_offload"), std::string::npos);
+
+  Config z3 = Config::load(dir + "deepspeed_autotuning_config_templates_template_zero3.json", world(2));
+  EXPECT_EQ(z3.zero.stage, 3);
+  EXPECT_EQ(z3.zero.allgather_bucket_size, 500000000);  // written 5e8
+  EXPECT_EQ(z3.zero.sub_group_size, 1000000000000);     // written 1e12
+  EXPECT_EQ(z3.zero.param_persistence_threshold, 1000000);
+  EXPECT_FALSE(z3.zero.overlap_comm);
+  EXPECT_THROW(z3.check_batch_sizes(), torchspeed::Error);
+
+  Config b = Config::load(dir + "model_BingBertSquad_deepspeed_bsz24_fp32_config.json", world(1));
+  EXPECT_EQ(b.optimizer.type, "Adam");
+  EXPECT_FALSE(b.optimizer.bias_correction);
+  EXPECT_DOUBLE_EQ(b.optimizer.lr, 3e-5);
+  EXPECT_DOUBLE_EQ(b.gradient_clipping, 1.0);
+
+  Config s = Config::load(dir + "model_Megatron_GPT2_ds_config_func_scheduler.json", world(1));
+  EXPECT_EQ(s.scheduler.type, "WarmupLR");
+  EXPECT_DOUBLE_EQ(s.scheduler.param("warmup_max_lr"), 0.001);
+  EXPECT_DOUBLE_EQ(s.scheduler.param("warmup_num_steps"), 10);
+}
+
+TEST(Config, BatchSizeDerivationFollowsDeepSpeed) {
+  struct Case {
+    json j;
+    int world;
+    int64_t train, micro, gas;
+  };
+  const std::vector<Case> ok = {
+      {{{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 2}}, 4, 32, 4, 2},
+      {{{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 4}}, 4, 32, 4, 2},
+      {{{"train_batch_size", 32}, {"gradient_accumulation_steps", 2}}, 4, 32, 4, 2},
+      {{{"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 2}}, 4, 32, 4, 2},
+      {{{"train_batch_size", 32}}, 4, 32, 8, 1},
+      {{{"train_micro_batch_size_per_gpu", 4}}, 4, 16, 4, 1},
+  };
+  for (const auto& c : ok) {
+    Config cfg = Config::parse(c.j, world(c.world));
+    EXPECT_EQ(cfg.train_batch_size, c.train) << c.j;
+    EXPECT_EQ(cfg.train_micro_batch_size_per_gpu, c.micro) << c.j;
+    EXPECT_EQ(cfg.gradient_accumulation_steps, c.gas) << c.j;
+  }
+  // dp counts only data-parallel ranks: 8 ranks with tp 2 and pp 2 is dp 2.
+  Config g = Config::parse({{"train_batch_size", 16}, {"train_micro_batch_size_per_gpu", 2}}, world(8, 2, 2));
+  EXPECT_EQ(g.dp, 2);
+  EXPECT_EQ(g.gradient_accumulation_steps, 4);
+
+  expect_error({{"train_batch_size", 30}, {"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 2}},
+               "train_batch_size: 30 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2", world(4));
+  expect_error({{"train_batch_size", 24}, {"train_micro_batch_size_per_gpu", 3}}, "is not divisible by", world(3));
+  expect_error({{"train_batch_size", 0}}, "train_batch_size: must be >= 1, got 0");
+  expect_error({{"train_batch_size", 8}}, "does not divide the world size 6", world(6, 4, 1));
+}
+
+TEST(Config, UnknownKeysSuggestTheNearestKnownKey) {
+  expect_error({{"train_batch_size", 8}, {"zero_optimisation", {{"stage", 2}}}},
+               "zero_optimisation: unknown key; did you mean \"zero_optimization\"?");
+  expect_error({{"train_batch_size", 8}, {"zero_optimization", {{"stagee", 2}}}},
+               "zero_optimization.stagee: unknown key; did you mean \"stage\"?");
+  expect_error({{"train_batch_size", 8}, {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}, {"beta", {0.9, 0.99}}}}}}},
+               "optimizer.params.beta: unknown key; did you mean \"betas\"?");
+  // Lenient mode turns them into warnings.
+  Config c = Config::parse({{"train_batch_size", 8}, {"zero_optimisation", {{"stage", 2}}},
+                            {"torchspeed", {{"unknown_keys", "warn"}}}});
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("zero_optimisation: unknown key; did you mean \"zero_optimization\"? (ignored)"),
+            std::string::npos);
+}
+
+TEST(Config, TypeAndRangeErrorsNameTheJsonPath) {
+  const json base = {{"train_batch_size", 8}};
+  auto with = [&](const json& extra) {
+    json j = base;
+    j.update(extra);
+    return j;
+  };
+  expect_error(with({{"zero_optimization", {{"stage", "two"}}}}),
+               "zero_optimization.stage: expected an integer, found string \"two\"");
+  expect_error(with({{"zero_optimization", {{"stage", 4}}}}), "zero_optimization.stage: must be in [0, 3], got 4");
+  expect_error(with({{"zero_optimization", {{"reduce_bucket_size", 1.5}}}}),
+               "zero_optimization.reduce_bucket_size: expected an integer, found number 1.5");
+  expect_error(with({{"fp16", {{"enabled", "yes"}}}}), "fp16.enabled: expected true or false");
+  expect_error(with({{"fp16", {{"enabled", true}}}, {"bf16", {{"enabled", true}}}}),
+               "fp16.enabled and bf16.enabled are both true");
+  expect_error(with({{"optimizer", {{"type", "Lamb"}}}}),
+               "optimizer.type: \"Lamb\" is a DeepSpeed optimizer torchspeed does not have");
+  expect_error(with({{"optimizer", {{"type", "Adamm"}}}}), "(did you mean \"Adam\"?)");
+  expect_error(with({{"optimizer", {{"type", "AdamW"}, {"params", {{"betas", {0.9}}}}}}}),
+               "optimizer.params.betas: expected a list of 2 numbers");
+  expect_error(with({{"scheduler", {{"type", "WarmupDecayLR"}, {"params", {{"warmup_num_steps", 10}}}}}}),
+               "scheduler.params.total_num_steps: is required for WarmupDecayLR");
+  expect_error(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}}}}),
+               "zero_optimization.offload_param.nvme_path: is required when device is \"nvme\"");
+  expect_error(with({{"zero_optimization", {{"stage", 1}, {"offload_param", {{"device", "cpu"}}}}}}),
+               "parameter offload needs ZeRO stage 3");
+  expect_error(with({{"amp", {{"enabled", true}}}}), "amp: is a DeepSpeed feature torchspeed does not have");
+  expect_error(with({{"zero_optimization", {{"stage", 2}}}, {"pipeline", {{"stages", 2}}}}),
+               "cannot be combined with pipeline parallelism", world(2));
+  expect_error(json::array({1, 2}), "expected a JSON object");
+}
+
+TEST(Config, EveryErrorIsReportedAtOnce) {
+  std::string errs = errors_of({{"train_batch_size", 8},
+                                {"zero_optimization", {{"stage", 9}}},
+                                {"fp16", {{"hysteresis", 0}}},
+                                {"gradient_clippin", 1.0}});
+  EXPECT_NE(errs.find("zero_optimization.stage"), std::string::npos) << errs;
+  EXPECT_NE(errs.find("fp16.hysteresis: must be"), std::string::npos) << errs;
+  EXPECT_NE(errs.find("gradient_clippin: unknown key; did you mean \"gradient_clipping\"?"), std::string::npos) << errs;
+}
+
+TEST(Config, DefaultsAreDeepSpeeds) {
+  Config c = Config::parse({{"train_batch_size", 8}, {"fp16", {{"enabled", true}}}, {"zero_optimization", {{"stage", 3}}}});
+  EXPECT_EQ(c.fp16.initial_scale_power, 16);
+  EXPECT_EQ(c.fp16.loss_scale_window, 1000);
+  EXPECT_EQ(c.fp16.hysteresis, 2);
+  EXPECT_FALSE(c.fp16.consecutive_hysteresis);
+  EXPECT_DOUBLE_EQ(c.fp16.min_loss_scale, 1.0);
+  EXPECT_TRUE(c.zero.overlap_comm);  // stage 3 overlaps by default
+  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.zero.prefetch_bucket_size, 50000000);
+  EXPECT_EQ(c.zero.param_persistence_threshold, 100000);
+  EXPECT_EQ(c.steps_per_print, 10);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 0.0);
+  Config s = Config::parse({{"train_batch_size", 8}, {"scheduler", {{"type", "WarmupCosineLR"}, {"params", {{"total_num_steps", 100}}}}}});
+  EXPECT_DOUBLE_EQ(s.scheduler.param("cos_min_ratio"), 0.0001);
+  EXPECT_DOUBLE_EQ(s.scheduler.param("warmup_num_steps"), 1000);
+  EXPECT_EQ(s.scheduler.warmup_type, "log");
+}
+
+TEST(Config, ResolvedJsonParsesBackToItself) {
+  json j = {{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 3},
+            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-4}, {"weight_decay", 0.1}}}}},
+            {"scheduler", {{"type", "OneCycle"}, {"params", {{"cycle_min_lr", 1e-4}, {"cycle_max_lr", 1e-3}}}}},
+            {"bf16", {{"enabled", true}}}, {"zero_optimization", {{"stage", 2}}}, {"gradient_clipping", 1.0}};
+  Config a = Config::parse(j, world(2));
+  json resolved = a.to_json();
+  resolved.erase("world");
+  Config b = Config::parse(resolved, world(2));
+  json again = b.to_json();
+  again.erase("world");
+  EXPECT_EQ(resolved, again);
+  EXPECT_EQ(b.train_batch_size, 12);
+  EXPECT_DOUBLE_EQ(b.scheduler.param("cycle_second_step_size"), 2000);  // defaults to the first
+}
+
+TEST(Config, InvalidJsonNamesFileLineAndColumn) {
+  auto path = std::filesystem::temp_directory_path() / "ts_bad_config.json";
+  {
+    std::ofstream out(path);
+    out << "{\n  \"train_batch_size\": 8,\n  \"fp16\": {\"enabled\": tru}\n}\n";
+  }
+  try {
+    Config::load(path.string());
+    FAIL() << "expected an error";
+  } catch (const ConfigError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find(path.string() + ": invalid JSON at byte"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("line 3, column"), std::string::npos) << msg;
+  }
+  EXPECT_THROW(Config::load("/nonexistent/ts.json"), torchspeed::Error);
+  std::filesystem::remove(path);
+}
+
+TEST(Config, NearestKeyIsConservative) {
+  using torchspeed::config::nearest_key;
+  EXPECT_EQ(nearest_key("zero_optimisation", {"zero_optimization", "optimizer"}), "zero_optimization");
+  EXPECT_EQ(nearest_key("banana", {"zero_optimization", "optimizer", "fp16"}), "");
+}

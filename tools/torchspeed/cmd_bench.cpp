@@ -1,0 +1,43 @@
+// `torchspeed bench NAME [-n RANKS] [--json FILE] [--quick]`: runs a benchmark on its ranks,
+// launching them itself when not already under mpirun.
+#include <cstdio>
+#include <map>
+
+#include "bench_report.h"
+#include "commands.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/runtime/runtime.h"
+
+namespace torchspeed::cli {
+
+Runner add_bench(CLI::App& app, const Invocation& inv) {
+  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm");
+  struct Opts {
+    std::string name;
+    int ranks = 2;
+    bench::BenchArgs args;
+  };
+  auto o = std::make_shared<Opts>();
+  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm"}));
+  cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
+  cmd->add_option("--json", o->args.json_path, "Write the results as JSON to FILE");
+  cmd->add_flag("--quick", o->args.quick, "Fewer sizes and repetitions (smoke run)");
+  return [o, &inv]() {
+    if (!launcher::under_launcher() && o->ranks > 1) {
+      launcher::LaunchOptions lo;
+      lo.num_ranks = o->ranks;
+      lo.program = {inv.self_path, "bench", o->name};
+      if (!o->args.json_path.empty()) lo.program.insert(lo.program.end(), {"--json", o->args.json_path});
+      if (o->args.quick) lo.program.push_back("--quick");
+      launcher::exec_command(launcher::build_command(lo, launcher::LaunchContext::current()));
+    }
+    init();
+    int rc = 0;
+    if (o->name == "comm") rc = bench::run_comm(o->args);
+    shutdown();
+    return rc;
+  };
+}
+
+}  // namespace torchspeed::cli

@@ -1,0 +1,26 @@
+// The subcommands of the torchspeed CLI; each registers itself on the CLI11 app and runs when
+// chosen. `program_args` holds what followed "--" on the command line.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace torchspeed::cli {
+
+struct Invocation {
+  std::vector<std::string> program_args;  // after "--"
+  std::string self_path;                  // absolute path of this executable
+};
+
+using Runner = std::function<int()>;
+
+// Each adds its subcommand and returns the function that runs it.
+Runner add_env(CLI::App& app);
+Runner add_config(CLI::App& app);
+Runner add_launch(CLI::App& app, const Invocation& inv);
+Runner add_bench(CLI::App& app, const Invocation& inv);
+
+}  // namespace torchspeed::cli
