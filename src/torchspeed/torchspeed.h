@@ -3,6 +3,10 @@
 
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/config/config.h"
+#include "torchspeed/engine/engine.h"
+#include "torchspeed/nn/layer_stack.h"
+#include "torchspeed/optim/lr_schedule.h"
+#include "torchspeed/precision/loss_scaler.h"
 #include "torchspeed/parallel/process_grid.h"
 #include "torchspeed/runtime/cpu.h"
 #include "torchspeed/runtime/error.h"

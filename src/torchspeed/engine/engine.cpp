@@ -1,0 +1,249 @@
+// Engine wiring: config -> component options, and DeepSpeed's step semantics.
+#include "torchspeed/engine/engine.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <chrono>
+#include <unordered_set>
+
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/logging.h"
+
+namespace torchspeed {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+precision::Precision precision_of(const config::Config& c) {
+  if (c.bf16.enabled) return precision::Precision::kBF16;
+  if (c.fp16.enabled) return precision::Precision::kFP16;
+  return precision::Precision::kFP32;
+}
+
+at::ScalarType comm_dtype_of(const config::Config& c) {
+  if (c.communication_data_type == "fp32") return at::kFloat;
+  if (c.communication_data_type == "bf16") return at::kBFloat16;
+  if (c.communication_data_type == "fp16") return at::kHalf;
+  return at::ScalarType::Undefined;
+}
+
+zero::OptimizerSpec optimizer_of(const config::Config& c) {
+  TS_CHECK(!c.optimizer.type.empty(),
+           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW or SGD)");
+  zero::OptimizerSpec s;
+  s.type = c.optimizer.type;
+  s.adam.lr = c.optimizer.lr;
+  s.adam.beta1 = c.optimizer.betas.at(0);
+  s.adam.beta2 = c.optimizer.betas.at(1);
+  s.adam.eps = c.optimizer.eps;
+  s.adam.weight_decay = c.optimizer.weight_decay;
+  s.adam.bias_correction = c.optimizer.bias_correction;
+  s.adam.adam_w_mode = c.optimizer.type == "AdamW" || c.optimizer.adam_w_mode;
+  s.sgd.lr = c.optimizer.lr;
+  s.sgd.momentum = c.optimizer.momentum;
+  s.sgd.dampening = c.optimizer.dampening;
+  s.sgd.weight_decay = c.optimizer.weight_decay;
+  s.sgd.nesterov = c.optimizer.nesterov;
+  return s;
+}
+
+precision::LossScaler scaler_of(const config::Config& c) {
+  if (!c.fp16.enabled) return precision::LossScaler::none();
+  precision::LossScalerOptions o;
+  o.dynamic(c.fp16.dynamic())
+      .static_scale(c.fp16.dynamic() ? 1.0 : c.fp16.loss_scale)
+      .initial_scale_power(c.fp16.initial_scale_power)
+      .scale_window(c.fp16.loss_scale_window)
+      .hysteresis(c.fp16.hysteresis)
+      .consecutive_hysteresis(c.fp16.consecutive_hysteresis)
+      .min_scale(c.fp16.min_loss_scale);
+  return precision::LossScaler(o);
+}
+
+void check_supported(const config::Config& c, const parallel::ParallelGroups& g) {
+  c.check_batch_sizes();
+  TS_CHECK(c.world_size == g.grid.world_size(), "the config was resolved for ", c.world_size,
+           " ranks but the job has ", g.grid.world_size(), "; pass the job's world size to Config::load");
+  TS_CHECK(c.dp == g.dp->size(), "the config's data-parallel size ", c.dp,
+           " differs from the data-parallel group's ", g.dp->size());
+  TS_CHECK(c.pp == 1, "pipeline.stages ", c.pp, ": pipeline parallelism is not available in this engine yet");
+  TS_CHECK(c.tp == 1, "tensor_parallel.tp_size ", c.tp, ": tensor parallelism is not available in this engine yet");
+  TS_CHECK(!c.zero.offload_optimizer.enabled() && !c.zero.offload_param.enabled(),
+           "zero_optimization.offload_optimizer/offload_param: offload is not available yet; "
+           "remove the offload settings (or the deprecated cpu_offload key)");
+}
+
+std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Module>& root,
+                                             nn::LayerStack stack) {
+  std::vector<zero::NamedParam> out;
+  std::unordered_set<const void*> seen;  // tied parameters appear once, where first used
+  auto add = [&](const std::string& name, const at::Tensor& p, int layer) {
+    if (!p.requires_grad()) return;
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) return;
+    out.push_back({name, p, layer});
+  };
+  if (stack) {
+    for (size_t i = 0; i < stack->size(); ++i) {
+      for (const auto& item : stack->layer_module(i)->named_parameters(/*recurse=*/true)) {
+        add(stack->layer_name(i) + "." + item.key(), item.value(), static_cast<int>(i));
+      }
+    }
+  } else {
+    for (const auto& item : root->named_parameters(/*recurse=*/true)) add(item.key(), item.value(), -1);
+  }
+  TS_CHECK(!out.empty(), "the model has no trainable parameters");
+  return out;
+}
+
+}  // namespace
+
+Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Module> root,
+               nn::LayerStack stack, torch::nn::AnyModule any, config::Config config)
+    : groups_(std::move(groups)),
+      root_(std::move(root)),
+      stack_(std::move(stack)),
+      any_(std::move(any)),
+      config_(std::move(config)),
+      precision_(precision_of(config_)),
+      scaler_(scaler_of(config_)),
+      schedule_(config_.scheduler, config_.optimizer.lr,
+                config_.optimizer.betas.empty() ? 0.9 : config_.optimizer.betas[0]) {
+  check_supported(config_, groups_);
+  zero::ZeroOptions zo;
+  zo.stage(config_.zero.stage)
+      .reduce_bucket_numel(config_.zero.reduce_bucket_size)
+      .overlap_comm(config_.zero.overlap_comm)
+      .prefetch_bucket_numel(config_.zero.prefetch_bucket_size)
+      .param_persistence_threshold(config_.zero.param_persistence_threshold)
+      .max_live_parameters(config_.zero.max_live_parameters)
+      .precision(precision_)
+      .communication_dtype(comm_dtype_of(config_))
+      .gradient_predivide_factor(config_.gradient_predivide_factor)
+      .prescale_gradients(config_.prescale_gradients);
+  const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
+  zero_ = std::make_unique<zero::ZeroOptimizer>(collect_params(root_, stack_), layers, groups_.dp,
+                                                zo, optimizer_of(config_));
+  root_->train();
+  log::debug("engine: ", zero_->num_params(), " parameters, ZeRO stage ", config_.zero.stage, ", ",
+             precision::precision_name(precision_), ", dp ", groups_.dp->size());
+}
+
+Engine::~Engine() = default;
+
+at::ScalarType Engine::compute_dtype() const {
+  // fp16 runs its math in fp32 on fp16-rounded values: see Note [fp16 on CPU].
+  return precision_ == precision::Precision::kBF16 ? at::kBFloat16 : at::kFloat;
+}
+
+at::Tensor Engine::run(const at::Tensor& input) {
+  at::Tensor x = input;
+  if (x.is_floating_point() && x.scalar_type() != compute_dtype()) x = x.to(compute_dtype());
+  if (!stack_) return any_.forward(x);
+  const bool grad = at::GradMode::is_enabled() && root_->is_training();
+  for (size_t i = 0; i < stack_->size(); ++i) {
+    zero_->pre_layer_forward(static_cast<int>(i));
+    x = stack_->run_layer(i, x);
+    x = zero_->post_layer_forward(static_cast<int>(i), x, grad);
+  }
+  return x;
+}
+
+at::Tensor Engine::forward(const at::Tensor& input) {
+  auto t = Clock::now();
+  at::Tensor out = run(input);
+  forward_s_ += since(t);
+  return out;
+}
+
+at::Tensor Engine::forward(const at::Tensor& input, const at::Tensor& target) {
+  TS_CHECK(stack_ && stack_->has_loss(),
+           "forward(input, target) needs a LayerStack with a loss function; call forward(input) "
+           "and compute the loss yourself");
+  auto t = Clock::now();
+  at::Tensor loss = stack_->loss(run(input), target);
+  forward_s_ += since(t);
+  return loss;
+}
+
+bool Engine::is_gradient_accumulation_boundary() const {
+  return (micro_steps_ + 1) % config_.gradient_accumulation_steps == 0;
+}
+
+void Engine::backward(const at::Tensor& loss) {
+  TS_CHECK(root_->is_training(), "backward() in eval mode: call engine.train() first");
+  TS_CHECK(loss.defined() && loss.numel() == 1, "backward() needs a scalar loss, got shape ",
+           loss.defined() ? loss.sizes() : at::IntArrayRef{});
+  auto t = Clock::now();
+  zero_->begin_backward(is_gradient_accumulation_boundary());
+  const double factor = scaler_.scale() / static_cast<double>(config_.gradient_accumulation_steps);
+  at::Tensor scaled = loss.to(at::kFloat) * factor;
+  scaled.backward();
+  zero_->finish_backward();
+  backward_s_ += since(t);
+}
+
+void Engine::step() {
+  if (is_gradient_accumulation_boundary()) {
+    auto r = zero_->step(scaler_.scale(), config_.gradient_clipping, schedule_.lr(), schedule_.beta1());
+    scaler_.update(r.overflow);
+    if (r.overflow) {
+      ++skipped_steps_;
+      log::info0("step ", global_steps_ + 1, ": gradient overflow, step skipped; loss scale now ",
+                 scaler_.scale());
+    } else {
+      schedule_.step();
+      grad_norm_ = r.grad_norm;
+    }
+    ++global_steps_;
+  }
+  ++micro_steps_;
+}
+
+void Engine::zero_grad() { zero_->zero_grad(); }
+
+void Engine::train() { root_->train(true); }
+void Engine::eval() { root_->train(false); }
+
+EngineTimings Engine::timings() const {
+  EngineTimings t;
+  t.forward_s = forward_s_;
+  t.backward_s = backward_s_;
+  t.reduce_wait_s = zero_->timings().reduce_wait_s;
+  t.optimizer_s = zero_->timings().optimizer_s;
+  t.allgather_s = zero_->timings().allgather_s;
+  return t;
+}
+
+parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config) {
+  comm::CommOptions co;
+  co.timeout(std::chrono::milliseconds(static_cast<int64_t>(config.torchspeed.comm_timeout_s * 1000)))
+      .chunk_bytes(config.torchspeed.comm_chunk_bytes);
+  auto world = comm::Communicator::world(co);
+  parallel::ProcessGrid grid(runtime.world_size, config.tp, config.pp);
+  return parallel::make_parallel_groups(world, grid);
+}
+
+std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, nn::LayerStack model,
+                                   const config::Config& config) {
+  std::shared_ptr<torch::nn::Module> root = model.ptr();
+  return std::make_unique<Engine>(groups, root, model, torch::nn::AnyModule(), config);
+}
+
+std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,
+                                   const config::Config& config) {
+  return initialize(make_groups(runtime, config), std::move(model), config);
+}
+
+std::unique_ptr<Engine> initialize_module(const parallel::ParallelGroups& groups,
+                                          std::shared_ptr<torch::nn::Module> root,
+                                          torch::nn::AnyModule any, const config::Config& config) {
+  TS_CHECK(config.zero.stage < 3,
+           "ZeRO stage 3 needs a LayerStack model (it gathers parameters layer by layer); build "
+           "the model as a torchspeed::nn::LayerStack or use stage 0-2");
+  return std::make_unique<Engine>(groups, std::move(root), nn::LayerStack(nullptr), std::move(any),
+                                  config);
+}
+
+}  // namespace torchspeed

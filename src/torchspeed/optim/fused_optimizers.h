@@ -1,0 +1,50 @@
+// Fused optimizer kernels over flat fp32 partitions: one multithreaded SIMD pass reads the
+// gradient (fp32 or bf16, times a scale that folds loss unscaling and clipping in), updates the
+// fp32 master, the moments, and writes the parameter's low-precision copy.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace torchspeed::optim {
+
+// How the updated parameter is written to the model's copy.
+enum class ParamOut {
+  kNone,        // the master is the model's parameter (fp32 training)
+  kFP32,        // plain fp32 copy
+  kBF16,        // bfloat16 (round to nearest even)
+  kFP16Values,  // fp32 storage holding values rounded to fp16 (see Note [fp16 on CPU])
+};
+
+struct AdamHyper {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  bool adam_w_mode = true;       // decoupled weight decay (AdamW) vs L2 added to the gradient
+  bool bias_correction = true;
+  int64_t step = 1;              // 1-based step count for bias correction
+};
+
+struct SgdHyper {
+  double lr = 1e-3, momentum = 0.0, dampening = 0.0, weight_decay = 0.0;
+  bool nesterov = false;
+  bool first_step = true;  // momentum buffer starts as the first gradient (PyTorch's rule)
+};
+
+// p, m, v: fp32 [n]. grad: [n] of grad_dtype (kFloat or kBFloat16), multiplied by grad_scale.
+// out: [n] written as `out_kind` (ignored for kNone). Same arithmetic as torch::optim::AdamW /
+// Adam in fp32, element by element.
+void adam_step(float* p, const void* grad, at::ScalarType grad_dtype, float grad_scale, float* m,
+               float* v, int64_t n, const AdamHyper& h, void* out, ParamOut out_kind);
+
+// momentum_buf: fp32 [n], or nullptr when momentum == 0.
+void sgd_step(float* p, const void* grad, at::ScalarType grad_dtype, float grad_scale,
+              float* momentum_buf, int64_t n, const SgdHyper& h, void* out, ParamOut out_kind);
+
+// Sum of squares of grad[0..n) accumulated in fp64: the clipping norm's share of this
+// partition; inf or NaN when any element is (overflow detection in the same pass).
+double sum_squares(const void* grad, at::ScalarType grad_dtype, int64_t n);
+
+// Writes fp32 values to `out` as out_kind (initial parameter copies).
+void write_params(const float* src, int64_t n, void* out, ParamOut out_kind);
+
+}  // namespace torchspeed::optim
