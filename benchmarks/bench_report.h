@@ -50,5 +50,8 @@ double median(std::vector<double> v);
 
 // Benchmarks, each run by every rank of the job (results reported by rank 0).
 int run_comm(const BenchArgs& args);
+int run_adam(const BenchArgs& args);
+int run_memory(const BenchArgs& args);
+int run_overlap(const BenchArgs& args);
 
 }  // namespace torchspeed::bench

@@ -12,18 +12,19 @@
 namespace torchspeed::cli {
 
 Runner add_bench(CLI::App& app, const Invocation& inv) {
-  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm");
+  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm, adam, memory, overlap");
   struct Opts {
     std::string name;
-    int ranks = 2;
+    int ranks = 0;  // 0: the benchmark's own rank count
     bench::BenchArgs args;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm"}));
+  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm", "adam", "memory", "overlap"}));
   cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
   cmd->add_option("--json", o->args.json_path, "Write the results as JSON to FILE");
   cmd->add_flag("--quick", o->args.quick, "Fewer sizes and repetitions (smoke run)");
   return [o, &inv]() {
+    if (o->ranks == 0) o->ranks = o->name == "memory" ? 4 : o->name == "adam" ? 1 : 2;
     if (!launcher::under_launcher() && o->ranks > 1) {
       launcher::LaunchOptions lo;
       lo.num_ranks = o->ranks;
@@ -35,6 +36,9 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     init();
     int rc = 0;
     if (o->name == "comm") rc = bench::run_comm(o->args);
+    if (o->name == "adam") rc = bench::run_adam(o->args);
+    if (o->name == "memory") rc = bench::run_memory(o->args);
+    if (o->name == "overlap") rc = bench::run_overlap(o->args);
     shutdown();
     return rc;
   };

@@ -596,10 +596,7 @@ class MpiCommunicator final : public Communicator {
       DirectReduceTask::Layout layout{[ch](int64_t k, int) { return ch.begin(k); },
                                       [ch](int64_t k, int) { return ch.size(k); },
                                       [ch, base, es](int64_t k) { return base + ch.begin(k) * es; }};
-      return submit(std::make_unique<DirectReduceTask>(what, algo_comm_, rank_, size_, st, op, base,
-                                                       ch.count(), options_.chunks_in_flight(),
-                                                       std::move(layout), /*gather=*/false, scratch_),
-                    mode);
+      return submit_direct(std::move(what), st, op, base, ch.count(), std::move(layout), /*gather=*/false, mode);
     }
     auto seg_begin = [ch, p](int64_t k, int j) {
       const int64_t m = ch.size(k), q = m / p, r = m % p;
@@ -612,10 +609,7 @@ class MpiCommunicator final : public Communicator {
     const int me = rank_;
     DirectReduceTask::Layout layout{seg_begin, seg_size,
                                     [=](int64_t k) { return base + seg_begin(k, me) * es; }};
-    return submit(std::make_unique<DirectReduceTask>(what, algo_comm_, rank_, size_, st, op, base,
-                                                     ch.count(), options_.chunks_in_flight(),
-                                                     std::move(layout), /*gather=*/true, scratch_),
-                  mode);
+    return submit_direct(std::move(what), st, op, base, ch.count(), std::move(layout), /*gather=*/true, mode);
   }
 
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op,
@@ -637,10 +631,7 @@ class MpiCommunicator final : public Communicator {
         [ch, n](int64_t k, int j) { return j * n + ch.begin(k); },
         [ch](int64_t k, int) { return ch.size(k); },
         [ch, dst, es](int64_t k) { return dst + ch.begin(k) * es; }};
-    return submit(std::make_unique<DirectReduceTask>(what, algo_comm_, rank_, size_, st, op, src,
-                                                     ch.count(), options_.chunks_in_flight(),
-                                                     std::move(layout), /*gather=*/false, scratch_),
-                  mode);
+    return submit_direct(std::move(what), st, op, src, ch.count(), std::move(layout), /*gather=*/false, mode);
   }
 
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out, Mode mode) override {
@@ -767,6 +758,14 @@ class MpiCommunicator final : public Communicator {
     lock.lock();
     busy_ = false;
     cv_.notify_all();
+  }
+
+  WorkPtr submit_direct(OpDesc what, at::ScalarType st, ReduceOp op, char* src, int64_t chunks,
+                        DirectReduceTask::Layout layout, bool gather, Mode mode) {
+    return submit(std::make_unique<DirectReduceTask>(std::move(what), algo_comm_, rank_, size_, st, op,
+                                                     src, chunks, options_.chunks_in_flight(),
+                                                     std::move(layout), gather, scratch_),
+                  mode);
   }
 
   WorkPtr submit(std::unique_ptr<Task> task, Mode mode) {

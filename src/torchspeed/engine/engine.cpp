@@ -213,6 +213,8 @@ EngineTimings Engine::timings() const {
   t.reduce_wait_s = zero_->timings().reduce_wait_s;
   t.optimizer_s = zero_->timings().optimizer_s;
   t.allgather_s = zero_->timings().allgather_s;
+  t.buckets_launched_in_backward = zero_->timings().buckets_launched_in_backward;
+  t.buckets_launched_after = zero_->timings().buckets_launched_after;
   return t;
 }
 

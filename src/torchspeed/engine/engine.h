@@ -21,6 +21,7 @@ namespace torchspeed {
 
 struct EngineTimings {
   double forward_s = 0, backward_s = 0, reduce_wait_s = 0, optimizer_s = 0, allgather_s = 0;
+  int64_t buckets_launched_in_backward = 0, buckets_launched_after = 0;
 };
 
 class Engine {

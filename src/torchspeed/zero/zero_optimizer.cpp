@@ -309,13 +309,17 @@ void ZeroOptimizer::launch_ready() {
     Unit& u = *units_[static_cast<size_t>(next_launch_)];
     if (u.ready != static_cast<int>(u.params.size())) return;
     launch(static_cast<size_t>(next_launch_--));
+    ++timings_.buckets_launched_in_backward;
   }
 }
 
 void ZeroOptimizer::finish_backward() {
   if (!reduce_now_) return;
   // Launch whatever is left (parameters without gradients reduce zeros), in the fixed order.
-  while (next_launch_ >= 0) launch(static_cast<size_t>(next_launch_--));
+  while (next_launch_ >= 0) {
+    launch(static_cast<size_t>(next_launch_--));
+    ++timings_.buckets_launched_after;
+  }
   if (transient_grads()) poll_finished();
 }
 

@@ -74,6 +74,8 @@ struct Timings {
   double reduce_wait_s = 0.0;  // waiting for gradient reductions in step()
   double optimizer_s = 0.0;    // norm, clipping and the fused update
   double allgather_s = 0.0;    // re-gathering updated parameters (stage 1/2) and layers (stage 3)
+  int64_t buckets_launched_in_backward = 0;  // reductions started by gradient hooks (overlap)
+  int64_t buckets_launched_after = 0;        // reductions started once backward returned
 };
 
 class ZeroOptimizer {

@@ -1,0 +1,150 @@
+// Engine behaviour that parity alone does not show: clipping against a hand computation, fp16
+// loss scaling with an overflow injected on one rank (every rank skips, parameters unchanged,
+// the LR schedule does not advance), fp16 parameter rounding, and memory accounting.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "dist_util.h"
+#include "torchspeed/engine/engine.h"
+
+using torchspeed::config::Config;
+using ts_test::world;
+
+namespace {
+torchspeed::parallel::ParallelGroups groups() {
+  auto w = world();
+  return torchspeed::parallel::make_parallel_groups(w, torchspeed::parallel::ProcessGrid(w->size()));
+}
+Config parse(nlohmann::json j) {
+  torchspeed::config::WorldShape shape;
+  shape.world_size = world()->size();
+  return Config::parse(j, shape);
+}
+torchspeed::nn::LayerStack one_linear(std::vector<float> w) {
+  torchspeed::nn::LayerStack s;
+  auto lin = torch::nn::Linear(torch::nn::LinearOptions(static_cast<int64_t>(w.size()), 1).bias(false));
+  {
+    torch::NoGradGuard g;
+    lin->weight.copy_(at::tensor(w).view({1, -1}));
+  }
+  s->add("lin", lin);
+  s->set_loss([](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out.to(at::kFloat), t); });
+  return s;
+}
+}  // namespace
+
+TEST(EngineFeatures, ClippingMatchesAHandComputation) {
+  // w = [1, 1], x = [3, 4], target 0: out = 7, loss = out^2, dloss/dw = 2 * 7 * x = [42, 56],
+  // |g| = 70. Clip at 7: g' = g * 7 / (70 + 1e-6). SGD lr 1: w' = w - g'.
+  for (int stage : {0, 1, 2, 3}) {
+    Config cfg = parse({{"train_micro_batch_size_per_gpu", 1}, {"gradient_clipping", 7.0},
+                        {"optimizer", {{"type", "SGD"}, {"params", {{"lr", 1.0}}}}},
+                        {"zero_optimization", {{"stage", stage}, {"stage3_param_persistence_threshold", 0}}}});
+    auto engine = torchspeed::initialize(groups(), one_linear({1.0f, 1.0f}), cfg);
+    engine->backward(engine->forward(at::tensor({3.0f, 4.0f}).view({1, 2}), at::zeros({1, 1})));
+    engine->step();
+    EXPECT_NEAR(engine->grad_norm(), 70.0, 1e-4) << "stage " << stage;
+    const double c = 7.0 / (70.0 + 1e-6);
+    auto w = engine->master_params().at(0).second;
+    EXPECT_NEAR(w[0][0].item<double>(), 1.0 - 42.0 * c, 1e-5) << "stage " << stage;
+    EXPECT_NEAR(w[0][1].item<double>(), 1.0 - 56.0 * c, 1e-5) << "stage " << stage;
+  }
+}
+
+TEST(EngineFeatures, Fp16OverflowOnOneRankSkipsTheStepEverywhere) {
+  auto w = world();
+  for (int stage : {0, 1, 2, 3}) {
+    SCOPED_TRACE(testing::Message() << "stage " << stage);
+    Config cfg = parse({{"train_micro_batch_size_per_gpu", 2},
+                        {"fp16", {{"enabled", true}, {"initial_scale_power", 8}, {"hysteresis", 2}}},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.01}}}}},
+                        {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_min_lr", 0.001}, {"warmup_max_lr", 0.01}, {"warmup_num_steps", 5}}}}},
+                        {"zero_optimization", {{"stage", stage}, {"stage3_param_persistence_threshold", 0}}}});
+    torch::manual_seed(5);
+    torchspeed::nn::LayerStack model;
+    model->add("fc1", torch::nn::Linear(4, 16));
+    model->add("fc2", torch::nn::Linear(16, 2));
+    model->set_loss([](const at::Tensor& o, const at::Tensor& t) { return torch::mse_loss(o, t); });
+    auto engine = torchspeed::initialize(groups(), model, cfg);
+    // fp16 parameters hold fp16-representable values.
+    if (stage < 3) {
+      for (auto& p : engine->module()->parameters()) EXPECT_TRUE(at::equal(p, p.to(at::kHalf).to(at::kFloat)));
+    }
+    auto train_step = [&](bool poison) {
+      at::Tensor x = at::randn({2, 4}), y = at::randn({2, 2});
+      if (poison && w->rank() == w->size() - 1) x[0][0] = std::numeric_limits<float>::infinity();
+      engine->backward(engine->forward(x, y));
+      engine->step();
+    };
+    train_step(false);
+    EXPECT_EQ(engine->loss_scale(), 256.0);
+    const double lr_before = engine->lr();
+    auto before = engine->master_params();
+    train_step(true);  // only the last rank sees inf
+    EXPECT_EQ(engine->skipped_steps(), 1);
+    EXPECT_EQ(engine->global_step(), 2);
+    EXPECT_EQ(engine->loss_scale(), 256.0);  // hysteresis 2 absorbs the first overflow
+    EXPECT_EQ(engine->lr(), lr_before);      // a skipped step does not advance the schedule
+    auto after = engine->master_params();
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i].second, after[i].second)) << before[i].first;
+    train_step(true);
+    EXPECT_EQ(engine->skipped_steps(), 2);
+    EXPECT_EQ(engine->loss_scale(), 128.0);  // now it halves
+    train_step(false);
+    EXPECT_EQ(engine->skipped_steps(), 2);
+    EXPECT_NE(engine->lr(), lr_before);
+    auto moved = engine->master_params();
+    EXPECT_FALSE(at::equal(moved[0].second, after[0].second));
+  }
+}
+
+TEST(EngineFeatures, MemoryAccountingFollowsTheStage) {
+  auto w = world();
+  const int dp = w->size();
+  torch::manual_seed(3);
+  int64_t prev_total = -1;
+  for (int stage : {0, 1, 2, 3}) {
+    torchspeed::nn::LayerStack model;
+    for (int i = 0; i < 4; ++i) model->add("fc" + std::to_string(i), torch::nn::Linear(64, 64));
+    Config cfg = parse({{"train_micro_batch_size_per_gpu", 1}, {"bf16", {{"enabled", true}}},
+                        {"optimizer", {{"type", "AdamW"}}},
+                        {"zero_optimization", {{"stage", stage}, {"stage3_param_persistence_threshold", 0}}}});
+    auto engine = torchspeed::initialize(groups(), model, cfg);
+    auto m = engine->memory();
+    const int64_t psi = engine->num_parameters();  // 4 x (64 x 64 + 64)
+    EXPECT_EQ(psi, 4 * (64 * 64 + 64));
+    // Padding adds at most 16 x dp elements per unit (4 units at most here).
+    const double slack = 4.0 * 16 * dp * 16;
+    auto near = [&](int64_t got, double want) { EXPECT_NEAR(static_cast<double>(got), want, slack) << "stage " << stage; };
+    near(m.params, stage == 3 ? 2.0 * psi / dp : 2.0 * psi);
+    near(m.gradients, stage >= 2 ? 2.0 * psi / dp : 2.0 * psi);
+    near(m.master, stage >= 1 ? 4.0 * psi / dp : 4.0 * psi);
+    near(m.optimizer_state, stage >= 1 ? 8.0 * psi / dp : 8.0 * psi);
+    if (dp > 1 && prev_total >= 0) {
+      EXPECT_LT(m.total(), prev_total) << "stage " << stage;
+    }
+    prev_total = m.total();
+  }
+}
+
+TEST(EngineFeatures, OverlapLaunchesBucketsDuringBackward) {
+  for (bool overlap : {true, false}) {
+    torch::manual_seed(2);
+    torchspeed::nn::LayerStack model;
+    for (int i = 0; i < 4; ++i) model->add("fc" + std::to_string(i), torch::nn::Linear(32, 32));
+    model->set_loss([](const at::Tensor& o, const at::Tensor& t) { return torch::mse_loss(o, t); });
+    // A bucket per layer (32 x 32 + 32 = 1056 elements), reduced in fixed order.
+    Config cfg = parse({{"train_micro_batch_size_per_gpu", 2}, {"optimizer", {{"type", "AdamW"}}},
+                        {"zero_optimization", {{"stage", 1}, {"overlap_comm", overlap}, {"reduce_bucket_size", 1000}}}});
+    auto engine = torchspeed::initialize(groups(), model, cfg);
+    engine->backward(engine->forward(at::randn({2, 32}), at::randn({2, 32})));
+    engine->step();
+    auto t = engine->timings();
+    EXPECT_EQ(t.buckets_launched_in_backward + t.buckets_launched_after, 4);
+    // With overlap every bucket starts from a gradient hook, while backward still runs.
+    EXPECT_EQ(t.buckets_launched_in_backward, overlap ? 4 : 0);
+  }
+}
