@@ -22,5 +22,7 @@ Runner add_env(CLI::App& app);
 Runner add_config(CLI::App& app);
 Runner add_launch(CLI::App& app, const Invocation& inv);
 Runner add_bench(CLI::App& app, const Invocation& inv);
+Runner add_train(CLI::App& app, const Invocation& inv);
+Runner add_generate(CLI::App& app);
 
 }  // namespace torchspeed::cli

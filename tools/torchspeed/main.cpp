@@ -37,6 +37,8 @@ int main(int argc, char** argv) {
   add(torchspeed::cli::add_config(app));
   add(torchspeed::cli::add_launch(app, inv));
   add(torchspeed::cli::add_bench(app, inv));
+  add(torchspeed::cli::add_train(app, inv));
+  add(torchspeed::cli::add_generate(app));
   try {
     app.parse(cli_argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -5,7 +5,7 @@
 #include <torch/autograd.h>
 
 #include <chrono>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
@@ -78,11 +78,16 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
 std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Module>& root,
                                              nn::LayerStack stack) {
   std::vector<zero::NamedParam> out;
-  std::unordered_set<const void*> seen;  // tied parameters appear once, where first used
+  std::unordered_map<const void*, size_t> seen;  // tied parameters appear once, where first used
   auto add = [&](const std::string& name, const at::Tensor& p, int layer) {
     if (!p.requires_grad()) return;
-    if (!seen.insert(p.unsafeGetTensorImpl()).second) return;
-    out.push_back({name, p, layer});
+    auto [it, fresh] = seen.emplace(p.unsafeGetTensorImpl(), out.size());
+    if (!fresh) {
+      auto& first = out[it->second];
+      if (layer >= 0 && layer != first.layer) first.also_used_by.push_back(layer);
+      return;
+    }
+    out.push_back({name, p, layer, {}});
   };
   if (stack) {
     for (size_t i = 0; i < stack->size(); ++i) {

@@ -192,8 +192,12 @@ void ZeroOptimizer::build_units(std::vector<NamedParam> params, int num_layers) 
       up.offset = u->numel;
       u->numel += up.numel;
       if (p.layer >= 0 && options_.stage() == 3) {
-        auto& lu = layer_units_[static_cast<size_t>(p.layer)];
-        if (std::find(lu.begin(), lu.end(), units_.size()) == lu.end()) lu.push_back(units_.size());
+        std::vector<int> users = p.also_used_by;
+        users.push_back(p.layer);
+        for (int l : users) {  // a layer needs every unit holding a parameter it uses
+          auto& lu = layer_units_.at(static_cast<size_t>(l));
+          if (std::find(lu.begin(), lu.end(), units_.size()) == lu.end()) lu.push_back(units_.size());
+        }
       }
       u->params.push_back(std::move(up));
     }

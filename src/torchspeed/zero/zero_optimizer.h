@@ -53,6 +53,7 @@ struct NamedParam {
   std::string name;
   at::Tensor param;  // the model's leaf parameter; replaced (set_data) by a view into a unit
   int layer = -1;    // LayerStack layer that owns it (-1 for plain modules)
+  std::vector<int> also_used_by;  // later layers sharing it (tied weights, e.g. an LM head)
 };
 
 struct StepResult {

@@ -1,0 +1,168 @@
+// GPT layers and initialisation (GPT-2: N(0, 0.02) weights, residual projections scaled by
+// 1/sqrt(2 n_layer), zero biases, unit LayerNorm).
+#include "torchspeed/models/gpt.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+
+#include <cmath>
+
+#include "torchspeed/config/config.h"
+#include "torchspeed/config/json_reader.h"
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::models {
+
+GPTConfig GPTConfig::from_json(const nlohmann::json& j, const std::string& path) {
+  config::Diagnostics diag;
+  config::JsonReader r(j, path, diag);
+  GPTConfig c;
+  c.vocab = r.get_int("vocab", c.vocab, 2, 1 << 24);
+  c.seq_len = r.get_int("seq_len", c.seq_len, 1, 1 << 20);
+  c.d_model = r.get_int("d_model", c.d_model, 1, 1 << 20);
+  c.n_layer = r.get_int("n_layer", c.n_layer, 1, 1 << 12);
+  c.n_head = r.get_int("n_head", c.n_head, 1, 1 << 12);
+  c.dropout = r.get_double("dropout", c.dropout, 0.0, 0.99);
+  c.tie_embeddings = r.get_bool("tie_embeddings", c.tie_embeddings);
+  r.accept("type");
+  r.finish();
+  if (c.d_model % c.n_head != 0) {
+    diag.errors.push_back(concat(path, ".n_head: d_model ", c.d_model, " is not divisible by n_head ", c.n_head));
+  }
+  if (!diag.errors.empty()) throw config::ConfigError(diag.errors);
+  return c;
+}
+
+nlohmann::json GPTConfig::to_json() const {
+  return {{"vocab", vocab}, {"seq_len", seq_len}, {"d_model", d_model}, {"n_layer", n_layer},
+          {"n_head", n_head}, {"dropout", dropout}, {"tie_embeddings", tie_embeddings}};
+}
+
+int64_t GPTConfig::num_params() const {
+  const int64_t d = d_model;
+  const int64_t embed = vocab * d + seq_len * d;
+  const int64_t block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+  const int64_t head = 2 * d + (tie_embeddings ? 0 : vocab * d);
+  return embed + n_layer * block + head;
+}
+
+double GPTConfig::flops_per_token() const {
+  return 6.0 * static_cast<double>(num_params()) + 12.0 * n_layer * d_model * seq_len;
+}
+
+namespace {
+void init_linear(torch::nn::Linear& l, double std) {
+  at::NoGradGuard g;
+  l->weight.normal_(0.0, std);
+  if (l->bias.defined()) l->bias.zero_();
+}
+}  // namespace
+
+GPTEmbeddingImpl::GPTEmbeddingImpl(const GPTConfig& c) {
+  tok = register_module("tok", torch::nn::Embedding(c.vocab, c.d_model));
+  pos = register_module("pos", torch::nn::Embedding(c.seq_len, c.d_model));
+  drop = register_module("drop", torch::nn::Dropout(c.dropout));
+  at::NoGradGuard g;
+  tok->weight.normal_(0.0, 0.02);
+  pos->weight.normal_(0.0, 0.02);
+}
+
+at::Tensor GPTEmbeddingImpl::forward(const at::Tensor& tokens) {
+  TS_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
+           "GPT input must be int64 token ids [batch, time], got ", tokens.scalar_type(), " ", tokens.sizes());
+  TS_CHECK(tokens.size(1) <= pos->weight.size(0), "sequence of ", tokens.size(1),
+           " tokens is longer than the model's seq_len ", pos->weight.size(0));
+  at::Tensor positions = at::arange(tokens.size(1), tokens.options());
+  return drop(tok(tokens) + pos(positions).unsqueeze(0));
+}
+
+GPTBlockImpl::GPTBlockImpl(const GPTConfig& c) : n_head(c.n_head) {
+  const int64_t d = c.d_model;
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  qkv = register_module("qkv", torch::nn::Linear(d, 3 * d));
+  attn_proj = register_module("attn_proj", torch::nn::Linear(d, d));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  fc = register_module("fc", torch::nn::Linear(d, 4 * d));
+  mlp_proj = register_module("mlp_proj", torch::nn::Linear(4 * d, d));
+  drop = register_module("drop", torch::nn::Dropout(c.dropout));
+  const double residual_std = 0.02 / std::sqrt(2.0 * c.n_layer);
+  init_linear(qkv, 0.02);
+  init_linear(fc, 0.02);
+  init_linear(attn_proj, residual_std);
+  init_linear(mlp_proj, residual_std);
+}
+
+at::Tensor GPTBlockImpl::attention(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), d = x.size(2), hd = d / n_head;
+  // [B, T, 3d] -> 3 x [B, H, T, hd]
+  auto parts = qkv(x).view({B, T, 3, n_head, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+  at::Tensor att = at::matmul(parts[0], parts[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  at::Tensor causal = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+  att = att.masked_fill(causal, -std::numeric_limits<float>::infinity()).softmax(-1);
+  at::Tensor y = at::matmul(drop(att), parts[2]);  // [B, H, T, hd]
+  return attn_proj(y.transpose(1, 2).reshape({B, T, d}));
+}
+
+at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x + drop(attention(ln1(x)));
+  return h + drop(mlp_proj(torch::nn::functional::gelu(fc(ln2(h)))));
+}
+
+GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) {
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  if (tied.defined()) {
+    weight = register_parameter("weight", tied);
+  } else {
+    weight = register_parameter("weight", at::empty({c.vocab, c.d_model}).normal_(0.0, 0.02));
+  }
+}
+
+at::Tensor GPTHeadImpl::forward(const at::Tensor& x) { return at::matmul(ln_f(x), weight.t()); }
+
+nn::LayerStack make_gpt(const GPTConfig& c) {
+  nn::LayerStack s;
+  GPTEmbedding embed(c);
+  s->add("embed", embed);
+  for (int64_t i = 0; i < c.n_layer; ++i) s->add("block" + std::to_string(i), GPTBlock(c));
+  s->add("head", GPTHead(c, c.tie_embeddings ? embed->tok->weight : at::Tensor()));
+  const int64_t vocab = c.vocab;
+  s->set_loss([vocab](const at::Tensor& logits, const at::Tensor& targets) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
+  });
+  return s;
+}
+
+}  // namespace torchspeed::models
+
+namespace torchspeed::models {
+
+std::vector<int64_t> sample(nn::LayerStack& model, const GPTConfig& c, std::vector<int64_t> tokens,
+                            const SampleOptions& o) {
+  TS_CHECK(!tokens.empty(), "generation needs a non-empty prompt");
+  at::NoGradGuard no_grad;
+  model->eval();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < o.max_new_tokens; ++i) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - c.seq_len);
+    at::Tensor ctx = at::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), at::kLong).unsqueeze(0);
+    at::Tensor logits = model->forward(ctx).select(1, -1).squeeze(0).to(at::kFloat);  // [vocab]
+    int64_t next;
+    if (o.temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / o.temperature;
+      if (o.top_k > 0 && o.top_k < logits.size(0)) {
+        at::Tensor kth = std::get<0>(logits.topk(o.top_k)).min();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = at::multinomial(logits.softmax(0), 1, false, gen).item<int64_t>();
+    }
+    tokens.push_back(next);
+    out.push_back(next);
+  }
+  return out;
+}
+
+}  // namespace torchspeed::models

@@ -1,0 +1,88 @@
+// GPT as a LayerStack: "embed" (token + learned position embedding, dropout), "block0".."blockN-1"
+// (pre-LayerNorm causal self-attention and 4x GELU MLP with residuals), "head" (final LayerNorm
+// and the LM head, tied to the token embedding by default). GPT-2 initialisation. Every parallel
+// technique treats it as a stack of layers; the loss is cross-entropy over the vocabulary in fp32.
+#pragma once
+
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <nlohmann/json.hpp>
+
+#include "torchspeed/nn/layer_stack.h"
+
+namespace torchspeed::models {
+
+struct GPTConfig {
+  int64_t vocab = 256;
+  int64_t seq_len = 128;
+  int64_t d_model = 128;
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  double dropout = 0.0;
+  bool tie_embeddings = true;
+
+  // From a config's "model" section; errors name the JSON path (model.d_model ...).
+  static GPTConfig from_json(const nlohmann::json& j, const std::string& path = "model");
+  nlohmann::json to_json() const;
+  // Parameters of the model built from this config (tied weights once).
+  int64_t num_params() const;
+  // Training FLOPs per token: 6 N (forward + backward of the weights) + 12 n_layer d_model
+  // seq_len (attention scores and their backward), as in the PaLM paper's accounting.
+  double flops_per_token() const;
+};
+
+class GPTEmbeddingImpl : public torch::nn::Module {
+ public:
+  explicit GPTEmbeddingImpl(const GPTConfig& c);
+  at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> [B, T, d]
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(GPTEmbedding);
+
+class GPTBlockImpl : public torch::nn::Module {
+ public:
+  GPTBlockImpl(const GPTConfig& c);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+  at::Tensor attention(const at::Tensor& x);
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, attn_proj{nullptr}, fc{nullptr}, mlp_proj{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  int64_t n_head;
+};
+TORCH_MODULE(GPTBlock);
+
+class GPTHeadImpl : public torch::nn::Module {
+ public:
+  // `tied`: the token embedding's weight [vocab, d], shared (registered here too, so every
+  // engine knows this layer uses it); undefined for an untied head.
+  GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> logits [B, T, vocab]
+  torch::nn::LayerNorm ln_f{nullptr};
+  at::Tensor weight;
+};
+TORCH_MODULE(GPTHead);
+
+// Builds the stack (seeded by the caller: torch::manual_seed before this call).
+nn::LayerStack make_gpt(const GPTConfig& config);
+
+}  // namespace torchspeed::models
+
+namespace torchspeed::models {
+
+struct SampleOptions {
+  int64_t max_new_tokens = 200;
+  double temperature = 0.8;  // 0: greedy
+  int64_t top_k = 0;         // 0: the whole vocabulary
+  uint64_t seed = 0;
+};
+
+// Extends `prompt` token by token with the model in eval mode (the context is the last seq_len
+// tokens). Returns only the new tokens.
+std::vector<int64_t> sample(nn::LayerStack& model, const GPTConfig& config,
+                            std::vector<int64_t> prompt, const SampleOptions& options);
+
+}  // namespace torchspeed::models

@@ -1,0 +1,124 @@
+// The GPT against an independent computation: one block written out with plain tensor ops
+// (layer norm, causal attention, GELU MLP), outputs and every gradient compared; causality,
+// weight tying, parameter count and the loss at initialisation.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "torchspeed/models/gpt.h"
+#include "torchspeed/runtime/error.h"
+
+using namespace torchspeed::models;
+
+namespace {
+GPTConfig small() {
+  GPTConfig c;
+  c.vocab = 256;
+  c.seq_len = 16;
+  c.d_model = 24;
+  c.n_layer = 2;
+  c.n_head = 3;
+  return c;
+}
+
+// Layer norm, attention and MLP spelled out: no torch::nn module involved.
+at::Tensor reference_block(GPTBlock& b, const at::Tensor& x, int64_t n_head) {
+  auto ln = [](const at::Tensor& v, const at::Tensor& w, const at::Tensor& bias) {
+    at::Tensor mean = v.mean(-1, true);
+    at::Tensor var = (v - mean).pow(2).mean(-1, true);
+    return (v - mean) / (var + 1e-5).sqrt() * w + bias;
+  };
+  const int64_t B = x.size(0), T = x.size(1), d = x.size(2), hd = d / n_head;
+  at::Tensor h = ln(x, b->ln1->weight, b->ln1->bias);
+  at::Tensor qkv = at::matmul(h, b->qkv->weight.t()) + b->qkv->bias;
+  at::Tensor out = at::zeros_like(x);
+  std::vector<at::Tensor> heads;
+  for (int64_t head = 0; head < n_head; ++head) {
+    at::Tensor q = qkv.narrow(2, head * hd, hd), k = qkv.narrow(2, d + head * hd, hd), v = qkv.narrow(2, 2 * d + head * hd, hd);
+    at::Tensor scores = at::matmul(q, k.transpose(1, 2)) / std::sqrt(static_cast<double>(hd));
+    at::Tensor mask = at::ones({T, T}).tril().to(at::kBool);
+    scores = at::where(mask, scores, at::full({}, -1e30));
+    at::Tensor p = scores.exp() / scores.exp().sum(-1, true);
+    heads.push_back(at::matmul(p, v));
+  }
+  at::Tensor attn = at::matmul(at::cat(heads, 2), b->attn_proj->weight.t()) + b->attn_proj->bias;
+  at::Tensor r = x + attn;
+  at::Tensor f = at::matmul(ln(r, b->ln2->weight, b->ln2->bias), b->fc->weight.t()) + b->fc->bias;
+  f = 0.5 * f * (1 + at::erf(f / std::sqrt(2.0)));  // exact GELU
+  return r + at::matmul(f, b->mlp_proj->weight.t()) + b->mlp_proj->bias;
+  (void)B;
+}
+}  // namespace
+
+TEST(GPT, BlockMatchesAWrittenOutComputationWithGradients) {
+  torch::manual_seed(0);
+  GPTConfig c = small();
+  GPTBlock block(c);
+  at::Tensor x = torch::randn({2, 7, c.d_model}, torch::requires_grad());
+  at::Tensor g = at::randn({2, 7, c.d_model});
+  at::Tensor ref = reference_block(block, x, c.n_head);
+  auto params = block->parameters();
+  auto ref_grads = torch::autograd::grad({ref}, [&] { auto v = params; v.push_back(x); return v; }(), {g});
+  at::Tensor got = block->forward(x);
+  auto got_grads = torch::autograd::grad({got}, [&] { auto v = params; v.push_back(x); return v; }(), {g});
+  EXPECT_TRUE(at::allclose(got, ref, 1e-5, 1e-5)) << (got - ref).abs().max().item<double>();
+  ASSERT_EQ(got_grads.size(), ref_grads.size());
+  for (size_t i = 0; i < got_grads.size(); ++i) {
+    EXPECT_TRUE(at::allclose(got_grads[i], ref_grads[i], 1e-4, 1e-5)) << "gradient " << i << ": "
+        << (got_grads[i] - ref_grads[i]).abs().max().item<double>();
+  }
+}
+
+TEST(GPT, IsCausalTiedAndCountsItsParameters) {
+  torch::manual_seed(1);
+  GPTConfig c = small();
+  auto model = make_gpt(c);
+  ASSERT_EQ(model->size(), static_cast<size_t>(c.n_layer + 2));
+  // Tied: the head's weight is the token embedding's tensor.
+  auto embed = model->layer_module(0)->named_parameters()["tok.weight"];
+  auto head = model->layer_module(model->size() - 1)->named_parameters()["weight"];
+  EXPECT_EQ(embed.unsafeGetTensorImpl(), head.unsafeGetTensorImpl());
+  std::set<const void*> unique;
+  int64_t n = 0;
+  for (auto& p : model->parameters())
+    if (unique.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  EXPECT_EQ(n, c.num_params());
+  EXPECT_DOUBLE_EQ(c.flops_per_token(), 6.0 * n + 12.0 * c.n_layer * c.d_model * c.seq_len);
+  // Changing a later token leaves earlier logits unchanged.
+  model->eval();
+  at::Tensor a = at::randint(0, 256, {1, 10}, at::kLong), b = a.clone();
+  b[0][7] = (b[0][7].item<int64_t>() + 1) % 256;
+  at::Tensor la = model->forward(a), lb = model->forward(b);
+  EXPECT_TRUE(at::allclose(la.narrow(1, 0, 7), lb.narrow(1, 0, 7), 1e-6, 1e-6));
+  EXPECT_FALSE(at::allclose(la.narrow(1, 7, 3), lb.narrow(1, 7, 3), 1e-6, 1e-6));
+  // At initialisation the prediction is close to uniform: loss ~ ln(256).
+  at::Tensor y = at::randint(0, 256, {4, 16}, at::kLong);
+  const double loss = model->loss(model->forward(at::randint(0, 256, {4, 16}, at::kLong)), y).item<double>();
+  EXPECT_NEAR(loss, std::log(256.0), 0.15);
+}
+
+TEST(GPT, ConfigErrorsNameTheKey) {
+  EXPECT_THROW(GPTConfig::from_json({{"d_model", 30}, {"n_head", 4}}), torchspeed::Error);
+  try {
+    GPTConfig::from_json({{"d_modle", 32}});
+    FAIL();
+  } catch (const torchspeed::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.d_modle: unknown key; did you mean \"d_model\"?"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GPT, SamplingIsSeededAndGreedyIsDeterministic) {
+  torch::manual_seed(2);
+  GPTConfig c = small();
+  auto model = make_gpt(c);
+  SampleOptions o;
+  o.max_new_tokens = 20;
+  o.seed = 5;
+  auto a = sample(model, c, {72, 105}, o), b = sample(model, c, {72, 105}, o);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a.size(), 20u);
+  o.temperature = 0;
+  EXPECT_EQ(sample(model, c, {1, 2, 3}, o), sample(model, c, {1, 2, 3}, o));
+}

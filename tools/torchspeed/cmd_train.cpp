@@ -1,0 +1,278 @@
+// `torchspeed train --config FILE [--data PATH] [-n RANKS] [--out DIR] [--set KEY=VALUE ...]`:
+// trains the GPT of the config's "model" section with the engine on a text corpus, shows
+// progress on rank 0, evaluates, writes metrics.csv and loss.svg, and saves a checkpoint at the
+// end (or on Ctrl-C, after the current step). Launches its ranks itself when not under mpirun.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <unistd.h>
+
+#include "commands.h"
+#include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/config/json_reader.h"
+#include "torchspeed/data/text.h"
+#include "torchspeed/engine/engine.h"
+#include "torchspeed/models/gpt.h"
+#include "torchspeed/monitor/metrics.h"
+#include "torchspeed/runtime/cpu.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/runtime/logging.h"
+
+namespace torchspeed::cli {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void on_signal(int) { g_stop = true; }
+
+struct TrainSection {
+  int64_t steps = 100, eval_interval = 50, eval_batches = 4, log_interval = 10;
+  int64_t checkpoint_interval = 0;  // 0: only at the end
+};
+
+struct DataSection {
+  std::string path = data::kDefaultCorpus;
+  double val_fraction = 0.1;
+};
+
+TrainSection read_train(const nlohmann::json& j) {
+  config::Diagnostics d;
+  config::JsonReader r(j, "train", d);
+  TrainSection t;
+  t.steps = r.get_int("steps", t.steps, 1);
+  t.eval_interval = r.get_int("eval_interval", t.eval_interval, 1);
+  t.eval_batches = r.get_int("eval_batches", t.eval_batches, 1);
+  t.log_interval = r.get_int("log_interval", t.log_interval, 1);
+  t.checkpoint_interval = r.get_int("checkpoint_interval", t.checkpoint_interval, 0);
+  r.finish();
+  if (!d.errors.empty()) throw config::ConfigError(d.errors);
+  return t;
+}
+
+DataSection read_data(const nlohmann::json& j) {
+  config::Diagnostics d;
+  config::JsonReader r(j, "data", d);
+  DataSection s;
+  s.path = r.get_string("path", s.path);
+  s.val_fraction = r.get_double("val_fraction", s.val_fraction, 1e-6, 0.5);
+  r.finish();
+  if (!d.errors.empty()) throw config::ConfigError(d.errors);
+  return s;
+}
+
+// --set a.b.c=VALUE: VALUE as JSON when it parses (numbers, true, {...}), else as a string.
+void apply_override(nlohmann::json& j, const std::string& kv) {
+  const auto eq = kv.find('=');
+  TS_CHECK(eq != std::string::npos && eq > 0, "--set '", kv, "': expected KEY=VALUE, e.g. train.steps=200");
+  const std::string key = kv.substr(0, eq), raw = kv.substr(eq + 1);
+  nlohmann::json value;
+  try {
+    value = nlohmann::json::parse(raw);
+  } catch (const std::exception&) {
+    value = raw;
+  }
+  nlohmann::json* node = &j;
+  size_t start = 0;
+  while (true) {
+    const auto dot = key.find('.', start);
+    const std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    TS_CHECK(!part.empty(), "--set '", kv, "': empty key segment");
+    if (dot == std::string::npos) {
+      (*node)[part] = value;
+      return;
+    }
+    if (!node->contains(part) || !(*node)[part].is_object()) (*node)[part] = nlohmann::json::object();
+    node = &(*node)[part];
+    start = dot + 1;
+  }
+}
+
+std::string default_out_dir() {
+  std::time_t now = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "runs/%Y%m%d-%H%M%S", std::localtime(&now));
+  return buf;
+}
+
+// Mean of a scalar over the data-parallel group.
+double dp_mean(const comm::CommunicatorPtr& dp, double v) {
+  at::Tensor t = at::full({1}, v, at::kDouble);
+  dp->all_reduce(t, comm::ReduceOp::kAvg);
+  return t.item<double>();
+}
+
+}  // namespace
+
+Runner add_train(CLI::App& app, const Invocation& inv) {
+  auto* cmd = app.add_subcommand("train", "Train the GPT of a config on a text corpus");
+  struct Opts {
+    std::string config, data, out;
+    int ranks = 1;
+    std::vector<std::string> sets;
+  };
+  auto o = std::make_shared<Opts>();
+  cmd->add_option("--config,-c", o->config, "DeepSpeed config + model/data/train sections")->required();
+  cmd->add_option("--data", o->data, "Text file or folder (default: the config's data.path, else the fortunes corpus)");
+  cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
+  cmd->add_option("--out", o->out, "Output folder (default runs/<date-time>)");
+  cmd->add_option("--set", o->sets, "Override a config key by its dotted path, e.g. --set train.steps=200");
+  return [o, &inv]() -> int {
+    if (o->out.empty()) o->out = default_out_dir();
+    if (!launcher::under_launcher() && o->ranks > 1) {
+      launcher::LaunchOptions lo;
+      lo.num_ranks = o->ranks;
+      lo.program = {inv.self_path, "train", "--config", o->config, "--out", o->out};
+      // Ranks get a pseudo-terminal from mpirun; the progress style follows the user's stdout.
+      lo.extra_env.push_back(concat("TORCHSPEED_STDOUT_TTY=", ::isatty(1) ? 1 : 0));
+      if (!o->data.empty()) lo.program.insert(lo.program.end(), {"--data", o->data});
+      for (const auto& s : o->sets) lo.program.insert(lo.program.end(), {"--set", s});
+      std::fflush(stdout);
+      launcher::exec_command(launcher::build_command(lo, launcher::LaunchContext::current()));
+    }
+    const Runtime& rt = init();
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+
+    nlohmann::json j = config::read_json_file(o->config);
+    for (const auto& s : o->sets) apply_override(j, s);
+    config::WorldShape shape;
+    shape.world_size = rt.world_size;
+    config::Config cfg = config::Config::parse(j, shape);
+    for (const auto& w : cfg.warnings) log::warn0(o->config, ": ", w);
+    const auto gpt = models::GPTConfig::from_json(cfg.sections.value("model", nlohmann::json::object()));
+    DataSection ds = read_data(cfg.sections.value("data", nlohmann::json::object()));
+    if (!o->data.empty()) ds.path = o->data;
+    const TrainSection ts = read_train(cfg.sections.value("train", nlohmann::json::object()));
+    TS_CHECK(gpt.vocab >= data::ByteTokenizer::kVocab, "model.vocab must be >= 256 for the byte tokenizer, got ", gpt.vocab);
+
+    auto corpus = data::TextCorpus::load(ds.path, ds.val_fraction, gpt.seq_len + 1);
+    const double bigram = corpus.bigram_entropy();
+    torch::manual_seed(static_cast<uint64_t>(cfg.seed));
+    auto model = models::make_gpt(gpt);
+    auto engine = initialize(rt, model, cfg);
+    const auto& dp = engine->groups().dp;
+    const int64_t micro = cfg.train_micro_batch_size_per_gpu;
+    data::TextLoader loader(corpus.train, gpt.seq_len, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));
+    const int64_t tokens_per_step = cfg.train_batch_size * gpt.seq_len;
+
+    // MFU against this machine's measured GEMM rate in the compute dtype, on every rank's cores.
+    const double peak = cpu::measure_gemm_gflops(engine->compute_dtype() == at::kBFloat16 ? "bf16" : "fp32", 512) *
+                        1e9 * rt.world_size;
+    std::filesystem::create_directories(o->out);
+    if (rt.is_rank0()) {
+      std::printf("torchspeed train: GPT %ld layers, d_model %ld, %ld heads, seq %ld: %.2fM parameters\n",
+                  static_cast<long>(gpt.n_layer), static_cast<long>(gpt.d_model), static_cast<long>(gpt.n_head),
+                  static_cast<long>(gpt.seq_len), engine->num_parameters() / 1e6);
+      std::printf("  %d ranks (dp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp\n",
+                  rt.world_size, dp->size(), cfg.zero.stage,
+                  precision::precision_name(engine->precision()), static_cast<long>(cfg.train_batch_size),
+                  static_cast<long>(micro), static_cast<long>(cfg.gradient_accumulation_steps), dp->size());
+      std::printf("  data: %s, %zu files, %.2f MB train / %.2f MB validation\n", ds.path.c_str(),
+                  corpus.files.size(), corpus.train.size() / 1e6, corpus.val.size() / 1e6);
+      std::printf("  bigram baseline (entropy of the next byte given the previous one): %.4f nats\n", bigram);
+      std::printf("  output: %s\n", o->out.c_str());
+      std::fflush(stdout);
+    }
+
+    auto evaluate = [&]() {
+      engine->eval();
+      at::NoGradGuard no_grad;
+      data::TextLoader val(corpus.val, gpt.seq_len, micro, dp->rank(), dp->size(), 12345);
+      double sum = 0;
+      for (int64_t i = 0; i < ts.eval_batches; ++i) {
+        auto b = val.next();
+        sum += engine->forward(b.inputs, b.targets).item<double>();
+      }
+      engine->train();
+      return dp_mean(dp, sum / ts.eval_batches);
+    };
+    auto save = [&](int64_t step) {
+      auto params = engine->master_params();  // collective
+      if (rt.is_rank0()) {
+        nlohmann::json saved = j;
+        saved["model"] = gpt.to_json();
+        checkpoint::save_consolidated(o->out + "/checkpoint", params, saved, step);
+      }
+    };
+
+    std::unique_ptr<monitor::MetricsCsv> csv;
+    if (rt.is_rank0()) csv = std::make_unique<monitor::MetricsCsv>(o->out + "/metrics.csv");
+    monitor::Progress progress(ts.steps, ts.log_interval);
+    std::vector<monitor::StepMetrics> history;
+    const auto start = std::chrono::steady_clock::now();
+    auto window_start = start;
+    int64_t window_steps = 0, step = 0;
+    double last_val = std::numeric_limits<double>::quiet_NaN();
+    bool evaluated_last = false;  // the same on every rank (history is rank 0's only)
+    while (step < ts.steps) {
+      const double step_lr = engine->lr();  // the LR this step's update uses
+      double loss_sum = 0;
+      for (int64_t m = 0; m < cfg.gradient_accumulation_steps; ++m) {
+        auto b = loader.next();
+        at::Tensor loss = engine->forward(b.inputs, b.targets);
+        engine->backward(loss);
+        engine->step();
+        loss_sum += loss.item<double>();
+      }
+      ++step;
+      ++window_steps;
+      monitor::StepMetrics m;
+      m.step = step;
+      m.samples = step * cfg.train_batch_size;
+      m.loss = dp_mean(dp, loss_sum / cfg.gradient_accumulation_steps);
+      m.lr = step_lr;
+      m.loss_scale = engine->loss_scale();
+      m.grad_norm = engine->grad_norm();
+      const auto now = std::chrono::steady_clock::now();
+      const double window_s = std::chrono::duration<double>(now - window_start).count();
+      m.tokens_per_s = tokens_per_step * window_steps / std::max(window_s, 1e-9);
+      m.mfu = gpt.flops_per_token() * m.tokens_per_s / peak;
+      evaluated_last = step % ts.eval_interval == 0 || step == ts.steps;
+      if (evaluated_last) {
+        m.val_loss = evaluate();
+        last_val = *m.val_loss;
+      }
+      if (step % ts.log_interval == 0) {
+        window_start = std::chrono::steady_clock::now();
+        window_steps = 0;
+      }
+      if (rt.is_rank0()) {
+        if (step % ts.log_interval == 0 || m.val_loss || step == ts.steps) csv->write(m);
+        history.push_back(m);
+        progress.update(m, std::chrono::duration<double>(now - start).count());
+      }
+      if (ts.checkpoint_interval > 0 && step % ts.checkpoint_interval == 0 && step < ts.steps) save(step);
+      // Stop cleanly on Ctrl-C/SIGTERM: every rank agrees after this step.
+      at::Tensor stop = at::full({1}, g_stop ? 1 : 0, at::kInt);
+      engine->groups().world->all_reduce(stop, comm::ReduceOp::kMax);
+      if (stop.item<int>() != 0) {
+        if (rt.is_rank0()) std::printf("\ninterrupted: stopping after step %ld\n", static_cast<long>(step));
+        break;
+      }
+    }
+    if (!evaluated_last) last_val = evaluate();  // stopped early: evaluate where training ended
+    save(step);
+    if (rt.is_rank0()) {
+      progress.finish();
+      monitor::write_loss_svg(o->out + "/loss.svg", history, bigram, "GPT training loss (torchspeed)");
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::printf("done: %ld steps in %s; validation loss %.4f vs bigram baseline %.4f (%s)\n",
+                  static_cast<long>(step), monitor::format_duration(secs).c_str(), last_val, bigram,
+                  last_val < bigram ? "below" : "NOT below");
+      std::printf("checkpoint: %s/checkpoint, metrics: %s/metrics.csv, plot: %s/loss.svg\n", o->out.c_str(),
+                  o->out.c_str(), o->out.c_str());
+    }
+    engine.reset();
+    shutdown();
+    return 0;
+  };
+}
+
+}  // namespace torchspeed::cli
