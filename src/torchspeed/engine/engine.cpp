@@ -208,6 +208,26 @@ void Engine::step() {
 
 void Engine::zero_grad() { zero_->zero_grad(); }
 
+nlohmann::json Engine::export_state(std::vector<std::pair<std::string, at::Tensor>>& tensors) const {
+  tensors = zero_->export_partition();
+  return {{"global_steps", global_steps_}, {"micro_steps", micro_steps_}, {"skipped_steps", skipped_steps_},
+          {"optimizer_steps", zero_->steps_taken()}, {"grad_norm", grad_norm_},
+          {"loss_scaler", scaler_.state()}, {"lr_schedule", schedule_.state()},
+          {"zero_stage", config_.zero.stage}, {"dp", groups_.dp->size()}, {"dp_rank", groups_.dp->rank()}};
+}
+
+void Engine::import_state(const nlohmann::json& s, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  TS_CHECK(s.contains("global_steps") && s.contains("loss_scaler") && s.contains("lr_schedule"),
+           "engine state is missing global_steps, loss_scaler or lr_schedule");
+  zero_->import_partition(tensors, s.at("optimizer_steps").get<int64_t>());
+  global_steps_ = s.at("global_steps").get<int64_t>();
+  micro_steps_ = s.at("micro_steps").get<int64_t>();
+  skipped_steps_ = s.at("skipped_steps").get<int64_t>();
+  grad_norm_ = s.value("grad_norm", 0.0);
+  scaler_.load_state(s.at("loss_scaler"));
+  schedule_.load_state(s.at("lr_schedule"));
+}
+
 void Engine::train() { root_->train(true); }
 void Engine::eval() { root_->train(false); }
 

@@ -61,6 +61,12 @@ class Engine {
   zero::MemoryReport memory() const { return zero_->memory(); }
   EngineTimings timings() const;
   int64_t num_parameters() const { return zero_->num_params(); }
+  // The training state a checkpoint needs: this rank's optimizer partition (tensors) and the
+  // counters, loss scaler and LR schedule (JSON). import_state restores all of it; a later step
+  // is then bit-identical to one taken without the interruption.
+  nlohmann::json export_state(std::vector<std::pair<std::string, at::Tensor>>& tensors) const;
+  void import_state(const nlohmann::json& state, const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+
   // Full fp32 master weights by name (collective over the data-parallel group).
   std::vector<std::pair<std::string, at::Tensor>> master_params() { return zero_->gather_master(); }
 

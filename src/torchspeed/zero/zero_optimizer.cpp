@@ -599,6 +599,68 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::gather_master() {
   return out;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::export_partition() const {
+  at::Tensor master = master_.defined() ? master_.clone() : at::empty({part_numel_}, at::kFloat);
+  if (!master_.defined()) {  // fp32: the masters are the parameters (or stage 3 shards) themselves
+    for (const auto& up : units_) {
+      const Unit& u = *up;
+      at::Tensor src = u.persistent ? u.full.narrow(0, u.range_begin(dp_rank_, options_.stage()), u.part_size)
+                                    : u.shard_param;
+      master.narrow(0, u.part_offset, u.part_size).copy_(src);
+    }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out{{"master", master}};
+  if (opt_.type == "SGD") {
+    out.emplace_back("momentum", exp_avg_.clone());
+  } else {
+    out.emplace_back("exp_avg", exp_avg_.clone());
+    out.emplace_back("exp_avg_sq", exp_avg_sq_.clone());
+  }
+  return out;
+}
+
+void ZeroOptimizer::import_partition(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                     int64_t steps) {
+  auto find = [&](const std::string& name) -> at::Tensor {
+    for (const auto& [n, t] : tensors)
+      if (n == name) {
+        TS_CHECK(t.numel() == part_numel_ && t.scalar_type() == at::kFloat, "optimizer state '", name,
+                 "' has ", t.numel(), " ", t.scalar_type(), " elements; this rank's partition needs ",
+                 part_numel_, " float32 (a different model, data-parallel size or ZeRO stage)");
+        return t;
+      }
+    TS_CHECK(false, "optimizer state has no '", name, "' tensor");
+  };
+  at::Tensor master = find("master");
+  if (opt_.type == "SGD") {
+    exp_avg_.copy_(find("momentum"));
+  } else {
+    exp_avg_.copy_(find("exp_avg"));
+    exp_avg_sq_.copy_(find("exp_avg_sq"));
+  }
+  step_count_ = steps;
+  const auto prec = options_.precision();
+  const optim::ParamOut out_kind = prec == precision::Precision::kBF16   ? optim::ParamOut::kBF16
+                                   : prec == precision::Precision::kFP16 ? optim::ParamOut::kFP16Values
+                                                                         : optim::ParamOut::kFP32;
+  if (master_.defined()) master_.copy_(master);
+  for (size_t ui = 0; ui < units_.size(); ++ui) {
+    Unit& u = *units_[ui];
+    if (!u.persistent && u.gathered) release(ui);
+    at::Tensor dest = u.persistent ? u.full.narrow(0, u.range_begin(dp_rank_, options_.stage()), u.part_size)
+                                   : u.shard_param;
+    at::Tensor src = master.narrow(0, u.part_offset, u.part_size).contiguous();
+    optim::write_params(src.data_ptr<float>(), u.part_size, dest.data_ptr(), out_kind);
+  }
+  if (options_.stage() >= 1) {
+    for (auto& up : units_) {
+      if (!up->persistent) continue;
+      dp_->all_gather(up->full.narrow(0, dp_rank_ * up->shard, up->shard), up->full);
+    }
+  }
+  zero_grad();
+}
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> ZeroOptimizer::param_shapes() const {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   for (const auto& u : units_)

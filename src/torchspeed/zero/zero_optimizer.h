@@ -114,6 +114,12 @@ class ZeroOptimizer {
   // DP group (stage 1-3 gather the partitions).
   std::vector<std::pair<std::string, at::Tensor>> gather_master();
 
+  // This rank's optimizer partition: fp32 "master" weights, "exp_avg" and "exp_avg_sq" (SGD:
+  // "momentum"), each [partition elements]; and the step count. Restoring re-derives the model's
+  // parameters from the masters (and re-gathers them for stages 1-2). Collective.
+  std::vector<std::pair<std::string, at::Tensor>> export_partition() const;
+  void import_partition(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps);
+
   // Names and shapes in model order (for checkpoints and reports).
   std::vector<std::pair<std::string, std::vector<int64_t>>> param_shapes() const;
 
