@@ -9,6 +9,8 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <pthread.h>
+#include <thread>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -30,7 +32,22 @@ namespace torchspeed::cli {
 namespace {
 
 std::atomic<bool> g_stop{false};
-void on_signal(int) { g_stop = true; }
+
+// Ctrl-C / SIGTERM: blocked in every thread (they inherit the mask from the main thread, so
+// OpenMP, oneDNN and MPI threads are never interrupted mid-kernel) and received by one thread
+// with sigwait, which sets the flag the training loop checks after each step.
+void watch_stop_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    int sig = 0;
+    sigwait(&set, &sig);
+    g_stop = true;
+  }).detach();
+}
 
 struct TrainSection {
   int64_t steps = 100, eval_interval = 50, eval_batches = 4, log_interval = 10;
@@ -136,9 +153,8 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       std::fflush(stdout);
       launcher::exec_command(launcher::build_command(lo, launcher::LaunchContext::current()));
     }
+    watch_stop_signals();  // before any thread exists
     const Runtime& rt = init();
-    std::signal(SIGINT, on_signal);
-    std::signal(SIGTERM, on_signal);
 
     nlohmann::json j = config::read_json_file(o->config);
     for (const auto& s : o->sets) apply_override(j, s);
@@ -211,6 +227,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     int64_t window_steps = 0, step = 0;
     double last_val = std::numeric_limits<double>::quiet_NaN();
     bool evaluated_last = false;  // the same on every rank (history is rank 0's only)
+    bool interrupted = false;
     while (step < ts.steps) {
       const double step_lr = engine->lr();  // the LR this step's update uses
       double loss_sum = 0;
@@ -253,19 +270,24 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       at::Tensor stop = at::full({1}, g_stop ? 1 : 0, at::kInt);
       engine->groups().world->all_reduce(stop, comm::ReduceOp::kMax);
       if (stop.item<int>() != 0) {
-        if (rt.is_rank0()) std::printf("\ninterrupted: stopping after step %ld\n", static_cast<long>(step));
+        if (rt.is_rank0()) std::printf("\ninterrupted: saving the checkpoint of step %ld\n", static_cast<long>(step));
+        interrupted = true;
         break;
       }
     }
-    if (!evaluated_last) last_val = evaluate();  // stopped early: evaluate where training ended
+    if (!evaluated_last && !interrupted) last_val = evaluate();
     save(step);
     if (rt.is_rank0()) {
       progress.finish();
       monitor::write_loss_svg(o->out + "/loss.svg", history, bigram, "GPT training loss (torchspeed)");
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::printf("done: %ld steps in %s; validation loss %.4f vs bigram baseline %.4f (%s)\n",
-                  static_cast<long>(step), monitor::format_duration(secs).c_str(), last_val, bigram,
-                  last_val < bigram ? "below" : "NOT below");
+      if (interrupted) {
+        std::printf("stopped at step %ld after %s\n", static_cast<long>(step), monitor::format_duration(secs).c_str());
+      } else {
+        std::printf("done: %ld steps in %s; validation loss %.4f vs bigram baseline %.4f (%s)\n",
+                    static_cast<long>(step), monitor::format_duration(secs).c_str(), last_val, bigram,
+                    last_val < bigram ? "below" : "NOT below");
+      }
       std::printf("checkpoint: %s/checkpoint, metrics: %s/metrics.csv, plot: %s/loss.svg\n", o->out.c_str(),
                   o->out.c_str(), o->out.c_str());
     }
