@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <unistd.h>
 
 #include "commands.h"
@@ -151,7 +152,15 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       if (!o->data.empty()) lo.program.insert(lo.program.end(), {"--data", o->data});
       for (const auto& s : o->sets) lo.program.insert(lo.program.end(), {"--set", s});
       std::fflush(stdout);
-      launcher::exec_command(launcher::build_command(lo, launcher::LaunchContext::current()));
+      // Ctrl-C: ask the ranks to stop after their current step and save (see stop_file below).
+      const std::string stop = o->out + "/STOP";
+      std::filesystem::remove(stop);  // a stale request from an earlier run
+      return launcher::run_command_shielded(launcher::build_command(lo, launcher::LaunchContext::current()), [stop] {
+        std::filesystem::create_directories(std::filesystem::path(stop).parent_path());
+        std::ofstream(stop) << "stop\n";
+        std::printf("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to abort)\n");
+        std::fflush(stdout);
+      });
     }
     watch_stop_signals();  // before any thread exists
     const Runtime& rt = init();
@@ -266,8 +275,10 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
         progress.update(m, std::chrono::duration<double>(now - start).count());
       }
       if (ts.checkpoint_interval > 0 && step % ts.checkpoint_interval == 0 && step < ts.steps) save(step);
-      // Stop cleanly on Ctrl-C/SIGTERM: every rank agrees after this step.
-      at::Tensor stop = at::full({1}, g_stop ? 1 : 0, at::kInt);
+      // Stop cleanly on a signal or when OUT/STOP exists (written by the launching CLI on Ctrl-C;
+      // `touch OUT/STOP` works under any launcher): every rank agrees after this step.
+      const bool stop_file = rt.is_rank0() && std::filesystem::exists(o->out + "/STOP");
+      at::Tensor stop = at::full({1}, (g_stop || stop_file) ? 1 : 0, at::kInt);
       engine->groups().world->all_reduce(stop, comm::ReduceOp::kMax);
       if (stop.item<int>() != 0) {
         if (rt.is_rank0()) std::printf("\ninterrupted: saving the checkpoint of step %ld\n", static_cast<long>(step));
@@ -277,6 +288,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
     if (!evaluated_last && !interrupted) last_val = evaluate();
     save(step);
+    if (rt.is_rank0()) std::filesystem::remove(o->out + "/STOP");
     if (rt.is_rank0()) {
       progress.finish();
       monitor::write_loss_svg(o->out + "/loss.svg", history, bigram, "GPT training loss (torchspeed)");

@@ -1,6 +1,7 @@
 // mpirun command construction and process start-up (execvp / posix_spawnp, no shell).
 #include "torchspeed/runtime/launcher.h"
 
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -255,6 +256,44 @@ void reexec_with_fast_blas(int argc, char** argv) {
   args.push_back(nullptr);
   execv("/proc/self/exe", args.data());
   // exec failed: carry on with the slow kernels rather than fail.
+}
+
+namespace {
+volatile sig_atomic_t g_interrupts = 0;
+void count_interrupt(int) { g_interrupts = g_interrupts + 1; }
+}  // namespace
+
+int run_command_shielded(const std::vector<std::string>& argv, const std::function<void()>& on_interrupt) {
+  TS_CHECK(!argv.empty(), "run_command_shielded: empty command");
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);  // a new group led by the child
+  pid_t pid;
+  int rc = posix_spawnp(&pid, args[0], nullptr, &attr, args.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  TS_CHECK(rc == 0, "cannot start '", argv[0], "': ", std::strerror(rc));
+  struct sigaction sa {}, old_int {}, old_term {};
+  sa.sa_handler = count_interrupt;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+  int handled = 0, status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    TS_CHECK(errno == EINTR, "waiting for '", argv[0], "': ", std::strerror(errno));
+    if (g_interrupts > handled) {
+      if (handled == 0 && on_interrupt) on_interrupt();
+      if (g_interrupts >= 2) ::kill(-pid, SIGTERM);  // a second Ctrl-C: stop now
+      handled = g_interrupts;
+    }
+  }
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
 
 bool under_launcher() {

@@ -4,6 +4,7 @@
 // Note [OpenBLAS core type]). Processes are started with an argv array, never a shell.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,11 @@ std::string render_command(const std::vector<std::string>& argv);
 [[noreturn]] void exec_command(const std::vector<std::string>& argv);
 // Runs argv as a child (posix_spawnp), waits, and returns its exit status.
 int run_command(const std::vector<std::string>& argv);
+
+// Runs argv (mpirun) in a process group of its own, so a terminal's Ctrl-C reaches only this
+// process: the first Ctrl-C calls `on_interrupt` (e.g. asks the ranks to stop cleanly), a second
+// one terminates the child's group. Returns the child's exit status.
+int run_command_shielded(const std::vector<std::string>& argv, const std::function<void()>& on_interrupt);
 
 // See Note [OpenBLAS core type]: when the CPU has AVX-512 and OPENBLAS_CORETYPE is unset, sets
 // it and re-executes this program (same pid, same arguments) so OpenBLAS loads its fast
