@@ -302,9 +302,10 @@ void ZeroOptimizer::on_grad_ready(size_t ui, size_t pi) {
       g.reset();  // the full gradient lives only in the unit's buffer until it is reduced
     }
   }
-  if (++u.ready == static_cast<int>(u.params.size()) && reduce_now_ && options_.overlap_comm()) {
-    launch_ready();
-  }
+  const bool complete = ++u.ready == static_cast<int>(u.params.size());
+  // The layer's backward has produced every gradient of this unit: its parameters are done.
+  if (complete && !u.persistent && u.gathered) release(ui);
+  if (complete && reduce_now_ && options_.overlap_comm()) launch_ready();
   if (transient_grads()) poll_finished();
 }
 
@@ -318,6 +319,9 @@ void ZeroOptimizer::launch_ready() {
 }
 
 void ZeroOptimizer::finish_backward() {
+  for (size_t ui = 0; ui < units_.size(); ++ui) {  // layers whose parameters got no gradient
+    if (!units_[ui]->persistent && (units_[ui]->gathered || units_[ui]->gather_work)) release(ui);
+  }
   if (!reduce_now_) return;
   // Launch whatever is left (parameters without gradients reduce zeros), in the fixed order.
   while (next_launch_ >= 0) {
@@ -386,7 +390,9 @@ void ZeroOptimizer::finalize(size_t ui) {
   u.grad = at::Tensor();
   u.recv = at::Tensor();
   u.comm_buf = at::Tensor();
-  if (!u.persistent && u.gathered) release(ui);
+  // No release here: when a reduction completes is timing, and whether a layer is gathered
+  // decides which all-gathers the next forward issues, which must be the same on every rank.
+  // Stage 3 releases at deterministic points instead (on_grad_ready, finish_backward).
 }
 
 void ZeroOptimizer::poll_finished() {
