@@ -192,3 +192,36 @@ TEST(EngineFeatures, ExportedStateResumesBitIdentically) {
     }
   }
 }
+
+TEST(EngineFeatures, PredivideAndPrescaleAverageLikeTheDefault) {
+  // DeepSpeed's gradient_predivide_factor (divide by f before the sum, by dp/f after) and
+  // prescale_gradients (divide by dp before) must give the mean gradient, as the default does.
+  // SGD without clipping is sensitive to the gradients' scale.
+  auto run = [&](int stage, nlohmann::json extra) {
+    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 2},
+                        {"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}},
+                        {"zero_optimization", {{"stage", stage}}}};
+    j.update(extra);
+    torch::manual_seed(4);
+    torchspeed::nn::LayerStack m;
+    m->add("fc", torch::nn::Linear(5, 3));
+    m->set_loss([](const at::Tensor& o, const at::Tensor& t) { return torch::mse_loss(o, t); });
+    auto e = torchspeed::initialize(groups(), m, parse(j));
+    for (int s = 0; s < 3; ++s) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(50 + s * 10 + world()->rank());
+      e->backward(e->forward(at::randn({2, 5}, gen), at::randn({2, 3}, gen)));
+      e->step();
+    }
+    return e->master_params();
+  };
+  for (int stage : {0, 2}) {
+    auto base = run(stage, nlohmann::json::object());
+    for (const auto& extra : {nlohmann::json{{"gradient_predivide_factor", 2.0}},
+                              nlohmann::json{{"prescale_gradients", true}}}) {
+      auto other = run(stage, extra);
+      for (size_t i = 0; i < base.size(); ++i) {
+        EXPECT_TRUE(at::allclose(base[i].second, other[i].second, 1e-6, 1e-7)) << "stage " << stage << " " << extra.dump();
+      }
+    }
+  }
+}
