@@ -9,8 +9,10 @@
 
 #include "torchspeed/data/text.h"
 #include "torchspeed/runtime/error.h"
+#include "test_util.h"
 
 using namespace torchspeed::data;
+using ts_test::expect_error;
 namespace fs = std::filesystem;
 
 namespace {
@@ -20,14 +22,6 @@ fs::path make_corpus(const std::string& name, const std::map<std::string, std::s
   fs::create_directories(dir);
   for (const auto& [f, text] : files) std::ofstream(dir / f, std::ios::binary) << text;
   return dir;
-}
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "expected an error containing " << needle;
-  } catch (const torchspeed::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 }  // namespace
 

@@ -6,9 +6,11 @@
 #include <fstream>
 
 #include "torchspeed/runtime/error.h"
+#include "test_util.h"
 #include "torchspeed/runtime/launcher.h"
 
 using namespace torchspeed::launcher;
+using ts_test::expect_error;
 
 namespace {
 std::string write_temp(const std::string& name, const std::string& text) {
@@ -18,14 +20,6 @@ std::string write_temp(const std::string& name, const std::string& text) {
 }
 bool contains(const std::vector<std::string>& v, const std::vector<std::string>& seq) {
   return std::search(v.begin(), v.end(), seq.begin(), seq.end()) != v.end();
-}
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "expected an error containing " << needle;
-  } catch (const torchspeed::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 LaunchContext ctx(bool root, int cores, std::string coretype = "") {
   LaunchContext c;

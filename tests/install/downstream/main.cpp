@@ -14,7 +14,12 @@ int main() {
   world->all_reduce(t);
   std::printf("downstream ok: dp %d, micro batch %lld, world %d\n", grid.dp(),
               static_cast<long long>(cfg.train_micro_batch_size_per_gpu), rt.world_size);
+  const bool ok = t[0].item<float>() == 1.0f;  // one rank: the sum is the value itself
   world.reset();
   torchspeed::shutdown();
-  return t[0].item<float>() == 1.0f ? 0 : 1;
+  if (!ok) {
+    std::fprintf(stderr, "downstream: all_reduce gave %f, expected 1\n", t[0].item<float>());
+    return 1;
+  }
+  return 0;
 }
