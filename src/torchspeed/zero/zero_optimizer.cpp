@@ -145,6 +145,14 @@ at::ScalarType ZeroOptimizer::storage_dtype() const {
   return options_.precision() == precision::Precision::kBF16 ? at::kBFloat16 : at::kFloat;
 }
 
+optim::ParamOut ZeroOptimizer::param_out(bool master_is_param) const {
+  switch (options_.precision()) {
+    case precision::Precision::kBF16: return optim::ParamOut::kBF16;
+    case precision::Precision::kFP16: return optim::ParamOut::kFP16Values;
+    default: return master_is_param ? optim::ParamOut::kNone : optim::ParamOut::kFP32;
+  }
+}
+
 at::ScalarType ZeroOptimizer::comm_dtype() const {
   if (options_.communication_dtype() != at::ScalarType::Undefined) return options_.communication_dtype();
   return options_.precision() == precision::Precision::kFP16 ? at::kHalf : storage_dtype();
@@ -443,10 +451,7 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr,
   }
   const float grad_scale = static_cast<float>(clip_coef / loss_scale);
   ++step_count_;
-  const auto prec = options_.precision();
-  const optim::ParamOut out_kind = prec == precision::Precision::kBF16   ? optim::ParamOut::kBF16
-                                   : prec == precision::Precision::kFP16 ? optim::ParamOut::kFP16Values
-                                                                         : optim::ParamOut::kNone;
+  const optim::ParamOut out_kind = param_out(/*master_is_param=*/true);
   for (auto& up : units_) {
     Unit& u = *up;
     const int64_t begin = u.range_begin(dp_rank_, options_.stage());
@@ -645,10 +650,7 @@ void ZeroOptimizer::import_partition(const std::vector<std::pair<std::string, at
     exp_avg_sq_.copy_(find("exp_avg_sq"));
   }
   step_count_ = steps;
-  const auto prec = options_.precision();
-  const optim::ParamOut out_kind = prec == precision::Precision::kBF16   ? optim::ParamOut::kBF16
-                                   : prec == precision::Precision::kFP16 ? optim::ParamOut::kFP16Values
-                                                                         : optim::ParamOut::kFP32;
+  const optim::ParamOut out_kind = param_out(/*master_is_param=*/false);
   if (master_.defined()) master_.copy_(master);
   for (size_t ui = 0; ui < units_.size(); ++ui) {
     Unit& u = *units_[ui];

@@ -141,6 +141,9 @@ class ZeroOptimizer {
 
   at::ScalarType storage_dtype() const;
   at::ScalarType comm_dtype() const;
+  // How updated masters are written to the model's parameters; fp32 training updates them in
+  // place (kNone) unless the masters are a separate copy (restoring a checkpoint).
+  optim::ParamOut param_out(bool master_is_param) const;
   bool transient_grads() const { return options_.stage() >= 2; }
 
   comm::CommunicatorPtr dp_;
