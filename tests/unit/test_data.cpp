@@ -98,3 +98,31 @@ TEST(Data, SamplerResumesAtTheExactPosition) {
   for (int i = 0; i < 100; ++i) ASSERT_EQ(a.next(), b.next()) << i;
   EXPECT_THROW(b.load_state(nlohmann::json{{"epoch", 0}, {"position", 1000}}), torchspeed::Error);
 }
+
+// A checkpoint saves the loader's state after the batches it handed out, not after the one it
+// prepared ahead: a resumed loader continues with exactly the batch the original would give next.
+TEST(Data, LoaderStateExcludesThePreparedBatch) {
+  std::vector<uint8_t> tokens(5000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint8_t>((i * 131) % 251);
+  torchspeed::data::TextLoader a(tokens, 16, 4, 0, 2, 3);
+  for (int i = 0; i < 5; ++i) a.next();
+  const auto saved = a.state();
+  EXPECT_EQ(saved.at("position").get<int64_t>(), 20);  // 5 batches of 4 windows
+  torchspeed::data::TextLoader b(tokens, 16, 4, 0, 2, 3);
+  b.next();  // a prepared batch that load_state must drop
+  b.load_state(saved);
+  for (int i = 0; i < 30; ++i) {  // across epoch ends (156 windows per rank)
+    auto x = a.next(), y = b.next();
+    ASSERT_TRUE(x.inputs.equal(y.inputs) && x.targets.equal(y.targets)) << "batch " << i;
+  }
+}
+
+// Resharding: a position saved at dp 4 continues after the same share of the epoch at dp 2.
+TEST(Data, SamplerStateMapsToAnotherDataParallelSize) {
+  DistributedSampler a(400, 0, 4, 5);
+  for (int i = 0; i < 30; ++i) a.next();
+  DistributedSampler b(400, 1, 2, 5);
+  b.load_state(a.state());
+  EXPECT_EQ(b.state().at("position").get<int64_t>(), 60);  // 120 of 400 windows consumed
+  EXPECT_EQ(b.state().at("dp_size").get<int64_t>(), 2);
+}

@@ -1,21 +1,25 @@
-// safetensors encoding and decoding, and atomic file replacement.
+// safetensors encoding and decoding (streamed, checksummed), and atomic file replacement.
 #include "torchspeed/checkpoint/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
+#include "torchspeed/checkpoint/crc32c.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::checkpoint {
 namespace {
+
+constexpr size_t kChunk = size_t{4} << 20;  // checksum a chunk while it is still in cache
 
 const char* dtype_name(at::ScalarType t) {
   switch (t) {
@@ -41,46 +45,131 @@ at::ScalarType dtype_from(const std::string& s, const std::string& file) {
   TS_CHECK(false, file, ": unsupported safetensors dtype '", s, "'");
 }
 
-void fsync_path(const std::string& path, int flags) {
-  int fd = ::open(path.c_str(), flags);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
+// A file descriptor that closes itself; writes and reads that retry short transfers and name
+// the file and offset when they fail.
+class File {
+ public:
+  File(const std::string& path, int flags) : path_(path) {
+    fd_ = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+    TS_CHECK(fd_ >= 0, "cannot open '", path, "' for ", (flags & O_WRONLY) ? "writing" : "reading", ": ",
+             std::strerror(errno));
+  }
+  ~File() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  void write(const void* data, size_t n, uint32_t& crc) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const size_t len = std::min(n, kChunk);
+      crc = crc32c(crc, p, len);
+      size_t done = 0;
+      while (done < len) {
+        const ssize_t w = ::write(fd_, p + done, len - done);
+        if (w < 0 && errno == EINTR) continue;
+        TS_CHECK(w > 0, "writing '", path_, "' failed at offset ", offset_ + static_cast<int64_t>(done), ": ",
+                 w < 0 ? std::strerror(errno) : "no progress");
+        done += static_cast<size_t>(w);
+      }
+      offset_ += static_cast<int64_t>(len);
+      p += len;
+      n -= len;
+    }
+  }
+
+  // Reads exactly n bytes; a short file is "truncated".
+  void read(void* data, size_t n, uint32_t& crc) {
+    char* p = static_cast<char*>(data);
+    while (n > 0) {
+      const size_t len = std::min(n, kChunk);
+      size_t done = 0;
+      while (done < len) {
+        const ssize_t r = ::read(fd_, p + done, len - done);
+        if (r < 0 && errno == EINTR) continue;
+        TS_CHECK(r >= 0, "reading '", path_, "' failed at offset ", offset_ + static_cast<int64_t>(done), ": ",
+                 std::strerror(errno));
+        TS_CHECK(r > 0, path_, ": truncated: the file ends at offset ", offset_ + static_cast<int64_t>(done),
+                 " but its header describes ", offset_ + static_cast<int64_t>(n), " bytes or more");
+        done += static_cast<size_t>(r);
+      }
+      crc = crc32c(crc, p, len);
+      offset_ += static_cast<int64_t>(len);
+      p += len;
+      n -= len;
+    }
+  }
+
+  void sync() { TS_CHECK(::fsync(fd_) == 0, "fsync of '", path_, "' failed: ", std::strerror(errno)); }
+  void close() {
+    const int fd = fd_;
+    fd_ = -1;
+    TS_CHECK(::close(fd) == 0, "closing '", path_, "' failed: ", std::strerror(errno));
+  }
+  int64_t size() const {
+    struct stat st {};
+    TS_CHECK(::fstat(fd_, &st) == 0, "cannot stat '", path_, "': ", std::strerror(errno));
+    return static_cast<int64_t>(st.st_size);
+  }
+  int64_t offset() const { return offset_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t offset_ = 0;
+};
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%08x", v);
+  return buf;
+}
+
+std::string temp_name(const std::filesystem::path& target) {
+  const auto dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  return (dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
+}
+
+// Writes through `write(path)` into a temporary file, then renames it over `path`.
+template <typename Fn>
+auto replace_atomically(const std::string& path, Fn&& write) {
+  const std::filesystem::path target(path);
+  const std::string tmp = temp_name(target);
+  try {
+    auto result = write(tmp);
+    TS_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot replace '", path, "': ", std::strerror(errno));
+    fsync_dir(target.has_parent_path() ? target.parent_path().string() : ".");
+    return result;
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
 }
 
 }  // namespace
 
-void write_file_atomic(const std::string& path, const std::string& bytes) {
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  const std::string tmp = (dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  TS_CHECK(fd >= 0, "cannot write '", tmp, "': ", std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const std::string err = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      TS_CHECK(false, "writing '", tmp, "' failed after ", done, " of ", bytes.size(), " bytes: ", err);
-    }
-    done += static_cast<size_t>(w);
-  }
-  const bool synced = ::fsync(fd) == 0;
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  TS_CHECK(fd >= 0, "cannot open folder '", dir, "' to fsync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
   ::close(fd);
-  if (!synced || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = std::strerror(errno);
-    ::unlink(tmp.c_str());
-    TS_CHECK(false, "cannot replace '", path, "': ", err);
-  }
-  fsync_path(dir.string(), O_RDONLY | O_DIRECTORY);
+  TS_CHECK(rc == 0, "fsync of folder '", dir, "' failed: ", std::strerror(errno));
 }
 
-void save_safetensors(const std::string& path, const NamedTensors& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+void write_file_atomic(const std::string& path, const std::string& bytes) {
+  replace_atomically(path, [&](const std::string& tmp) {
+    File f(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+    uint32_t crc = 0;
+    f.write(bytes.data(), bytes.size(), crc);
+    f.sync();
+    f.close();
+    return 0;
+  });
+}
+
+FileDigest save_safetensors(const std::string& path, const NamedTensors& tensors,
+                            const std::map<std::string, std::string>& metadata, bool atomic) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<at::Tensor> contiguous;
@@ -96,13 +185,20 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // data starts 8-byte aligned
-  std::string out;
-  out.reserve(8 + h.size() + static_cast<size_t>(offset));
-  const uint64_t n = h.size();
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xFF));
-  out += h;
-  for (const auto& c : contiguous) out.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
-  write_file_atomic(path, out);
+  auto write = [&](const std::string& file) {
+    File f(file, O_WRONLY | O_CREAT | O_TRUNC);
+    uint32_t crc = 0;
+    unsigned char len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>((static_cast<uint64_t>(h.size()) >> (8 * i)) & 0xFF);
+    f.write(len, 8, crc);
+    f.write(h.data(), h.size(), crc);
+    for (const auto& c : contiguous) f.write(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), crc);
+    f.sync();
+    const FileDigest d{f.offset(), crc};
+    f.close();
+    return d;
+  };
+  return atomic ? replace_atomically(path, write) : write(path);
 }
 
 const at::Tensor& SafetensorsFile::at(const std::string& name) const {
@@ -111,33 +207,44 @@ const at::Tensor& SafetensorsFile::at(const std::string& name) const {
   TS_CHECK(false, "safetensors file has no tensor '", name, "'");
 }
 
-SafetensorsFile load_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TS_CHECK(in.good(), "cannot open '", path, "': ", std::strerror(errno));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string data = ss.str();
-  TS_CHECK(data.size() >= 8, path, ": truncated (", data.size(), " bytes, no header length)");
+SafetensorsFile load_safetensors(const std::string& path, const FileDigest* expected) {
+  File f(path, O_RDONLY);
+  const int64_t size = f.size();
+  if (expected) {
+    TS_CHECK(size == expected->bytes, path, ": ", size < expected->bytes ? "truncated" : "wrong size", ": ", size,
+             " bytes, the checkpoint manifest says ", expected->bytes);
+  }
+  TS_CHECK(size >= 8, path, ": truncated (", size, " bytes, no header length)");
+  uint32_t crc = 0;
+  unsigned char len[8];
+  f.read(len, 8, crc);
   uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(data[i])) << (8 * i);
-  TS_CHECK(n <= data.size() - 8, path, ": header length ", n, " at offset 0 exceeds the file size ", data.size());
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
+  TS_CHECK(n <= static_cast<uint64_t>(size - 8), path, ": header length ", n, " at offset 0 exceeds the file size ",
+           size);
+  std::string text(n, '\0');
+  f.read(text.data(), n, crc);
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(data.substr(8, n));
+    header = nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     TS_CHECK(false, path, ": corrupt header at offset 8: ", e.what());
   }
-  SafetensorsFile f;
-  const size_t base = 8 + n;
+  TS_CHECK(header.is_object(), path, ": the header at offset 8 is not a JSON object");
+  SafetensorsFile out;
+  const int64_t base = 8 + static_cast<int64_t>(n);
   std::vector<std::pair<int64_t, std::string>> order;
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
-      for (const auto& [k, val] : v.items()) f.metadata[k] = val.is_string() ? val.get<std::string>() : val.dump();
+      for (const auto& [k, val] : v.items()) out.metadata[k] = val.is_string() ? val.get<std::string>() : val.dump();
       continue;
     }
+    TS_CHECK(v.is_object() && v.contains("data_offsets") && v.contains("dtype") && v.contains("shape"), path,
+             ": header entry '", name, "' needs dtype, shape and data_offsets");
     order.emplace_back(v.at("data_offsets").at(0).get<int64_t>(), name);
   }
   std::sort(order.begin(), order.end());
+  int64_t pos = 0;  // data bytes consumed
   for (const auto& [begin, name] : order) {
     const auto& v = header[name];
     const at::ScalarType dt = dtype_from(v.at("dtype").get<std::string>(), path);
@@ -148,13 +255,23 @@ SafetensorsFile load_safetensors(const std::string& path) {
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
     TS_CHECK(begin >= 0 && end - begin == bytes, path, ": tensor '", name, "' has ", end - begin,
              " bytes for shape and dtype needing ", bytes);
-    TS_CHECK(base + static_cast<size_t>(end) <= data.size(), path, ": tensor '", name, "' ends at offset ",
-             base + end, " past the end of the file (", data.size(), " bytes): truncated");
+    TS_CHECK(begin == pos, path, ": tensor '", name, "' starts at data offset ", begin, " but the previous one ends at ",
+             pos, " (overlapping or with a hole)");
+    TS_CHECK(base + end <= size, path, ": tensor '", name, "' ends at offset ", base + end,
+             " past the end of the file (", size, " bytes): truncated");
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dt));
-    std::memcpy(t.data_ptr(), data.data() + base + begin, static_cast<size_t>(bytes));
-    f.tensors.emplace_back(name, t);
+    f.read(t.data_ptr(), static_cast<size_t>(bytes), crc);
+    pos = end;
+    out.tensors.emplace_back(name, t);
   }
-  return f;
+  TS_CHECK(base + pos == size, path, ": ", size - base - pos, " bytes after the last tensor (offset ", base + pos,
+           "): not a safetensors file or a damaged one");
+  out.digest = {size, crc};
+  if (expected) {
+    TS_CHECK(crc == expected->crc32c, path, ": checksum mismatch (CRC-32C ", hex32(crc), ", the manifest says ",
+             hex32(expected->crc32c), "): the file is corrupt");
+  }
+  return out;
 }
 
 }  // namespace torchspeed::checkpoint

@@ -1,7 +1,12 @@
-// Argument validation shared by every backend, and the blocking forms of the ops.
+// Argument validation shared by every backend, the blocking forms of the ops, and helpers built
+// on them.
 #include "torchspeed/comm/communicator.h"
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
 #include "torchspeed/runtime/error.h"
 
@@ -170,5 +175,22 @@ void Communicator::broadcast(const at::Tensor& t, int root) {
 void Communicator::send(const at::Tensor& t, int dst, int tag) { send_async(t, dst, tag)->wait(); }
 void Communicator::recv(const at::Tensor& t, int src, int tag) { recv_async(t, src, tag)->wait(); }
 void Communicator::barrier() { do_barrier(Mode::kBlocking)->wait(); }
+
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  const int n = comm.size();
+  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor lens = at::empty({n}, at::kLong);
+  comm.all_gather(len, lens);
+  int64_t longest = 0;
+  for (int i = 0; i < n; ++i) longest = std::max(longest, lens[i].item<int64_t>());
+  at::Tensor buf = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({n * buf.numel()}, at::kByte);
+  comm.all_gather(buf, all);
+  std::vector<std::string> out;
+  const char* p = static_cast<const char*>(all.data_ptr());
+  for (int i = 0; i < n; ++i) out.emplace_back(p + i * buf.numel(), static_cast<size_t>(lens[i].item<int64_t>()));
+  return out;
+}
 
 }  // namespace torchspeed::comm

@@ -70,8 +70,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual const CommOptions& options() const = 0;
   virtual CommStats stats() const = 0;
 
-  // Ranks with the same color form a new group, ordered by key (then by rank). Collective.
-  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+  // Ranks with the same color form a new group, ordered by key (then by rank), with this
+  // group's options or the given ones. Collective.
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) {
+    return split(color, key, name, options());
+  }
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name,
+                                              const CommOptions& options) = 0;
 
   // In place on `tensor`. bf16/fp16 sums accumulate in fp32 and round once; kAvg divides by
   // size() (floating dtypes only).
@@ -122,5 +127,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 };
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// Every rank's string, in rank order (two all_gathers: lengths, then padded bytes). For small
+// control messages: agreeing on errors, file names, checksums. Collective.
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
 
 }  // namespace torchspeed::comm

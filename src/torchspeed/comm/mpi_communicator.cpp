@@ -555,11 +555,13 @@ class MpiCommunicator final : public Communicator {
     return stats_;
   }
 
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+  using Communicator::split;
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name,
+                                      const CommOptions& options) override {
     TS_CHECK(color >= 0, describe("split"), ": color must be >= 0, got ", color);
     MPI_Comm out = MPI_COMM_NULL;
     run_exclusive([&] { check_mpi(MPI_Comm_split(comm_, color, key, &out), describe("split")); });
-    return std::make_shared<MpiCommunicator>(out, name, options_);
+    return std::make_shared<MpiCommunicator>(out, name, options);
   }
 
   static void shutdown_all() {

@@ -134,6 +134,8 @@ void DistributedSampler::load_state(const nlohmann::json& s) {
   TS_CHECK(s.contains("epoch") && s.contains("position"), "sampler state needs epoch and position, got ", s.dump());
   epoch_ = s.at("epoch").get<int64_t>();
   position_ = s.at("position").get<int64_t>();
+  const int64_t saved_size = s.value("dp_size", static_cast<int64_t>(size_));
+  if (saved_size != size_) position_ = std::min(per_rank_, position_ * saved_size / size_);
   TS_CHECK(position_ >= 0 && position_ <= per_rank_, "sampler state position ", position_, " outside 0..", per_rank_);
   current_ = shard(epoch_);
 }
@@ -144,7 +146,8 @@ TextLoader::TextLoader(const std::vector<uint8_t>& tokens, int64_t seq_len, int6
       seq_len_(seq_len),
       batch_(batch),
       windows_((static_cast<int64_t>(tokens.size()) - 1) / seq_len),
-      sampler_(windows_, rank, size, seed) {}
+      sampler_(windows_, rank, size, seed),
+      consumed_(sampler_.state()) {}
 
 TextLoader::~TextLoader() {
   if (pending_.valid()) pending_.wait();
@@ -168,8 +171,15 @@ Batch TextLoader::build() {
 
 Batch TextLoader::next() {
   Batch b = pending_.valid() ? pending_.get() : build();
+  consumed_ = sampler_.state();  // no build is running now
   pending_ = std::async(std::launch::async, [this] { return build(); });
   return b;
+}
+
+void TextLoader::load_state(const nlohmann::json& s) {
+  if (pending_.valid()) pending_.get();
+  sampler_.load_state(s);
+  consumed_ = sampler_.state();
 }
 
 }  // namespace torchspeed::data

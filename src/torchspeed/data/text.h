@@ -46,7 +46,8 @@ class DistributedSampler {
   // The next window index for this rank; advances epochs as needed.
   int64_t next();
   int64_t windows_per_rank() const { return per_rank_; }
-  nlohmann::json state() const { return {{"epoch", epoch_}, {"position", position_}}; }
+  nlohmann::json state() const { return {{"epoch", epoch_}, {"position", position_}, {"dp_size", size_}}; }
+  // A state saved at another data-parallel size continues after the same share of the epoch.
   void load_state(const nlohmann::json& s);
   int64_t epoch() const { return epoch_; }
   // Every window this rank reads in `epoch`, in order.
@@ -72,6 +73,10 @@ class TextLoader {
   ~TextLoader();
   Batch next();
   DistributedSampler& sampler() { return sampler_; }
+  // The sampler's position after the batches next() has returned (not the one prepared ahead):
+  // what a checkpoint saves. load_state drops the prepared batch.
+  nlohmann::json state() const { return consumed_; }
+  void load_state(const nlohmann::json& s);
   int64_t num_windows() const { return windows_; }
 
  private:
@@ -80,6 +85,7 @@ class TextLoader {
   int64_t seq_len_, batch_, windows_;
   DistributedSampler sampler_;
   std::future<Batch> pending_;
+  nlohmann::json consumed_;
 };
 
 }  // namespace torchspeed::data

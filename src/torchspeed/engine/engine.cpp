@@ -116,6 +116,7 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
       schedule_(config_.scheduler, config_.optimizer.lr,
                 config_.optimizer.betas.empty() ? 0.9 : config_.optimizer.betas[0]) {
   check_supported(config_, groups_);
+  make_checkpoint_comm();
   zero::ZeroOptions zo;
   zo.stage(config_.zero.stage)
       .reduce_bucket_numel(config_.zero.reduce_bucket_size)
@@ -210,6 +211,10 @@ void Engine::zero_grad() { zero_->zero_grad(); }
 
 nlohmann::json Engine::export_state(std::vector<std::pair<std::string, at::Tensor>>& tensors) const {
   tensors = zero_->export_partition();
+  return export_counters();
+}
+
+nlohmann::json Engine::export_counters() const {
   return {{"global_steps", global_steps_}, {"micro_steps", micro_steps_}, {"skipped_steps", skipped_steps_},
           {"optimizer_steps", zero_->steps_taken()}, {"grad_norm", grad_norm_},
           {"loss_scaler", scaler_.state()}, {"lr_schedule", schedule_.state()},

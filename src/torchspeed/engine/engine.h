@@ -8,6 +8,8 @@
 #include <torch/nn/modules/container/any.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "torchspeed/config/config.h"
 #include "torchspeed/nn/layer_stack.h"
@@ -67,13 +69,32 @@ class Engine {
   nlohmann::json export_state(std::vector<std::pair<std::string, at::Tensor>>& tensors) const;
   void import_state(const nlohmann::json& state, const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 
+  // DeepSpeed's checkpoint verbs, collective over every rank of the job (see
+  // checkpoint/sharded.h). save_checkpoint writes DIR/TAG (default "global_step<N>") at an
+  // accumulation boundary and points DIR/latest at it: every rank's optimizer partition, the
+  // counters, loss scaler, LR schedule, each rank's RNG state and `client_state` (e.g. the data
+  // loader's position). Returns DIR/TAG.
+  std::string save_checkpoint(const std::string& dir, const std::string& tag = "",
+                              const nlohmann::json& client_state = nlohmann::json::object());
+  struct LoadedCheckpoint {
+    std::string path;
+    nlohmann::json client_state;  // what this rank (or rank 0, for a job of another size) saved
+  };
+  // Loads DIR/TAG (default: the tag DIR/latest names), also one written at another
+  // data-parallel size or ZeRO stage. nullopt when TAG is "" and DIR has no checkpoint. Every
+  // file is verified first: on any error every rank throws and the engine is unchanged.
+  std::optional<LoadedCheckpoint> load_checkpoint(const std::string& dir, const std::string& tag = "");
+
   // Full fp32 master weights by name (collective over the data-parallel group).
   std::vector<std::pair<std::string, at::Tensor>> master_params() { return zero_->gather_master(); }
 
  private:
   at::Tensor run(const at::Tensor& input);
+  nlohmann::json export_counters() const;
+  void make_checkpoint_comm();
 
   parallel::ParallelGroups groups_;
+  comm::CommunicatorPtr checkpoint_comm_;  // the world, apart: see Note [Checkpoint protocol]
   std::shared_ptr<torch::nn::Module> root_;
   nn::LayerStack stack_;      // empty for plain modules
   torch::nn::AnyModule any_;  // plain modules

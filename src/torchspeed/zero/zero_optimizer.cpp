@@ -610,8 +610,9 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::gather_master() {
   return out;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::export_partition() const {
-  at::Tensor master = master_.defined() ? master_.clone() : at::empty({part_numel_}, at::kFloat);
+std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::export_partition(bool copy) const {
+  auto out_tensor = [copy](const at::Tensor& t) { return copy ? t.clone() : t; };
+  at::Tensor master = master_.defined() ? out_tensor(master_) : at::empty({part_numel_}, at::kFloat);
   if (!master_.defined()) {  // fp32: the masters are the parameters (or stage 3 shards) themselves
     for (const auto& up : units_) {
       const Unit& u = *up;
@@ -622,10 +623,10 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::export_partition(
   }
   std::vector<std::pair<std::string, at::Tensor>> out{{"master", master}};
   if (opt_.type == "SGD") {
-    out.emplace_back("momentum", exp_avg_.clone());
+    out.emplace_back("momentum", out_tensor(exp_avg_));
   } else {
-    out.emplace_back("exp_avg", exp_avg_.clone());
-    out.emplace_back("exp_avg_sq", exp_avg_sq_.clone());
+    out.emplace_back("exp_avg", out_tensor(exp_avg_));
+    out.emplace_back("exp_avg_sq", out_tensor(exp_avg_sq_));
   }
   return out;
 }
@@ -667,6 +668,24 @@ void ZeroOptimizer::import_partition(const std::vector<std::pair<std::string, at
     }
   }
   zero_grad();
+}
+
+PartitionLayout ZeroOptimizer::layout() const {
+  PartitionLayout l;
+  l.stage = options_.stage();
+  l.dp = dp_size_;
+  l.part_numel = part_numel_;
+  for (const auto& up : units_) {
+    UnitLayout u{up->padded, up->shard, up->part_offset, up->part_size, {}};
+    for (const auto& p : up->params) u.params.push_back({p.name, p.offset, p.numel});
+    l.units.push_back(std::move(u));
+  }
+  return l;
+}
+
+std::vector<std::string> ZeroOptimizer::state_kinds() const {
+  if (opt_.type == "SGD") return {"momentum"};
+  return {"exp_avg", "exp_avg_sq"};
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> ZeroOptimizer::param_shapes() const {

@@ -17,6 +17,7 @@
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/optim/fused_optimizers.h"
 #include "torchspeed/precision/loss_scaler.h"
+#include "torchspeed/zero/partition_layout.h"
 
 namespace torch::autograd {
 struct Node;
@@ -117,8 +118,15 @@ class ZeroOptimizer {
   // This rank's optimizer partition: fp32 "master" weights, "exp_avg" and "exp_avg_sq" (SGD:
   // "momentum"), each [partition elements]; and the step count. Restoring re-derives the model's
   // parameters from the masters (and re-gathers them for stages 1-2). Collective.
-  std::vector<std::pair<std::string, at::Tensor>> export_partition() const;
+  // copy=false returns views of the live buffers where it can (valid until the next step).
+  std::vector<std::pair<std::string, at::Tensor>> export_partition(bool copy = true) const;
   void import_partition(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps);
+
+  // Where each parameter's elements sit in every rank's partition (what a checkpoint needs to
+  // reshard). The same on every rank.
+  PartitionLayout layout() const;
+  // Optimizer state kinds export_partition returns besides "master".
+  std::vector<std::string> state_kinds() const;
 
   // Names and shapes in model order (for checkpoints and reports).
   std::vector<std::pair<std::string, std::vector<int64_t>>> param_shapes() const;

@@ -1,0 +1,77 @@
+// ShardSource: element-range copies between partition layouts.
+#include "torchspeed/checkpoint/reshard.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::checkpoint {
+
+ShardSource::ShardSource(std::string dir, zero::PartitionLayout layout, std::vector<std::string> files,
+                         std::map<std::string, FileDigest> digests)
+    : dir_(std::move(dir)), layout_(std::move(layout)), files_(std::move(files)), digests_(std::move(digests)) {
+  TS_CHECK(static_cast<int>(files_.size()) == layout_.dp, dir_, ": the manifest lists ", files_.size(),
+           " shard files for data-parallel size ", layout_.dp);
+  for (int r = 0; r < layout_.dp; ++r) {
+    if (files_[static_cast<size_t>(r)].empty()) continue;
+    for (const auto& p : zero::pieces(layout_, r)) segments_[p.name].push_back({p.begin, p.length, p.part_offset, r});
+  }
+}
+
+const SafetensorsFile& ShardSource::file(int rank) {
+  auto it = cache_.find(rank);
+  if (it != cache_.end()) return it->second;
+  const std::string& name = files_[static_cast<size_t>(rank)];
+  const auto d = digests_.find(name);
+  TS_CHECK(d != digests_.end(), dir_, "/manifest.json: no checksum for shard file '", name, "'");
+  return cache_.emplace(rank, load_safetensors(dir_ + "/" + name, &d->second)).first->second;
+}
+
+void ShardSource::copy(const std::string& name, int64_t begin, int64_t length, const std::string& kind,
+                       float* dest) {
+  const auto it = segments_.find(name);
+  TS_CHECK(it != segments_.end(), dir_, ": the checkpoint holds no values of parameter '", name, "'");
+  int64_t covered = 0;
+  for (const Segment& s : it->second) {
+    const int64_t a = std::max(begin, s.begin), b = std::min(begin + length, s.begin + s.length);
+    if (a >= b) continue;
+    const SafetensorsFile& f = file(s.rank);
+    const at::Tensor& src = f.at(kind);
+    TS_CHECK(src.scalar_type() == at::kFloat && src.numel() == layout_.part_numel, dir_, "/",
+             files_[static_cast<size_t>(s.rank)], ": '", kind, "' has ", src.numel(), " ", src.scalar_type(),
+             " elements; the layout says ", layout_.part_numel, " float32");
+    std::memcpy(dest + (a - begin), src.data_ptr<float>() + s.part_offset + (a - s.begin),
+                static_cast<size_t>(b - a) * sizeof(float));
+    covered += b - a;
+  }
+  TS_CHECK(covered == length, dir_, ": the shards hold ", covered, " of ", length, " requested elements of parameter '",
+           name, "' (a damaged manifest)");
+}
+
+NamedTensors ShardSource::partition(const zero::PartitionLayout& target, int rank,
+                                    const std::vector<std::string>& kinds) {
+  const auto want = zero::pieces(target, rank);
+  NamedTensors out;
+  for (const auto& kind : kinds) {
+    at::Tensor t = at::zeros({target.part_numel}, at::kFloat);
+    for (const auto& p : want) copy(p.name, p.begin, p.length, kind, t.data_ptr<float>() + p.part_offset);
+    out.emplace_back(kind, t);
+  }
+  return out;
+}
+
+NamedTensors ShardSource::full(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params,
+                               const std::string& kind) {
+  NamedTensors out;
+  for (const auto& [name, shape] : params) {
+    at::Tensor t = at::empty(shape, at::kFloat);
+    copy(name, 0, t.numel(), kind, t.data_ptr<float>());
+    out.emplace_back(name, t);
+  }
+  return out;
+}
+
+}  // namespace torchspeed::checkpoint

@@ -1,0 +1,51 @@
+// Reading ZeRO partitions that a checkpoint wrote under one layout (data-parallel size, stage,
+// bucket sizes) and rearranging them for another: a rank's partition under a new layout
+// (resharding on load), or every parameter whole (consolidation). Works element range by
+// element range from the layouts (see zero/partition_layout.h); nothing is gathered over MPI.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/zero/partition_layout.h"
+
+namespace torchspeed::checkpoint {
+
+class ShardSource {
+ public:
+  // `files[r]`: the shard file (relative to `dir`) holding data-parallel rank r's partition, or
+  // "" for a rank that wrote none (stage 0 ranks > 0 hold copies of rank 0's). Files are read
+  // on first use and verified against `digests` (size and CRC-32C, by file name).
+  ShardSource(std::string dir, zero::PartitionLayout layout, std::vector<std::string> files,
+              std::map<std::string, FileDigest> digests);
+
+  // `rank`'s partition under `target`: for each kind ("master", "exp_avg", ...) an fp32
+  // [target.part_numel] tensor, padding zero.
+  NamedTensors partition(const zero::PartitionLayout& target, int rank, const std::vector<std::string>& kinds);
+
+  // Every parameter of `kind` whole, with the given shapes, in the given order.
+  NamedTensors full(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params, const std::string& kind);
+
+  // The files read so far (for tests and reports).
+  size_t files_read() const { return cache_.size(); }
+
+ private:
+  struct Segment {  // parameter elements [begin, begin + length) at part_offset of `rank`'s shard
+    int64_t begin, length, part_offset;
+    int rank;
+  };
+  const SafetensorsFile& file(int rank);
+  // Copies parameter `name`'s elements [begin, begin + length) of `kind` to dest.
+  void copy(const std::string& name, int64_t begin, int64_t length, const std::string& kind, float* dest);
+
+  std::string dir_;
+  zero::PartitionLayout layout_;
+  std::vector<std::string> files_;
+  std::map<std::string, FileDigest> digests_;
+  std::map<std::string, std::vector<Segment>> segments_;  // by parameter name
+  std::map<int, SafetensorsFile> cache_;
+};
+
+}  // namespace torchspeed::checkpoint

@@ -1,0 +1,47 @@
+// Where every parameter's elements sit in each data-parallel rank's optimizer partition: the
+// deterministic flat layout that makes checkpoints resharable. A unit is a padded flat buffer of
+// whole parameters; at stage >= 1 rank r holds elements [r*shard, (r+1)*shard) of every unit, at
+// stage 0 every rank holds all of them. A rank's partition buffers (masters, moments) are its
+// units' ranges concatenated in unit order.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torchspeed::zero {
+
+struct ParamSpan {
+  std::string name;
+  int64_t offset = 0, numel = 0;  // within the unit's flat buffer
+};
+
+struct UnitLayout {
+  int64_t padded = 0, shard = 0;            // elements; shard = padded / dp
+  int64_t part_offset = 0, part_size = 0;   // the unit's range in a rank's partition buffers
+  std::vector<ParamSpan> params;
+};
+
+struct PartitionLayout {
+  int stage = 0, dp = 1;
+  int64_t part_numel = 0;  // elements of each rank's partition buffers
+  std::vector<UnitLayout> units;
+
+  int64_t range_begin(const UnitLayout& u, int rank) const { return stage == 0 ? 0 : rank * u.shard; }
+  nlohmann::json to_json() const;
+  // `where` names the source in errors (a file path).
+  static PartitionLayout from_json(const nlohmann::json& j, const std::string& where);
+};
+
+// Elements [begin, begin + length) of parameter `name` sit at `part_offset` of a rank's partition.
+struct Piece {
+  std::string name;
+  int64_t begin = 0, length = 0, part_offset = 0;
+};
+
+// Every piece of `rank`'s partition, in partition order; padding belongs to no piece.
+std::vector<Piece> pieces(const PartitionLayout& layout, int rank);
+
+}  // namespace torchspeed::zero

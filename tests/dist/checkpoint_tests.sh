@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Checkpoint tests across fresh processes, driven by checkpoint_driver.
+#   checkpoint_tests.sh resume|reshard|faults DRIVER "MPIRUN FLAGS..."
+# resume:  for ZeRO 0-3 x fp32/bf16 at dp 2: train 6 steps saving at step 3; new processes load
+#          step 3 and train to 6. Losses (exact hex) and final fp32 masters must be identical.
+# reshard: dp 4 stage 3 -> dp 2 stage 1 -> dp 1 stage 2: each load, saved again at once, has the
+#          same full optimizer state; training on from each agrees with dp 4 (fp32 tolerance).
+# faults:  SIGKILL during a save, truncated and bit-flipped shards, an unwritable folder, a save
+#          called by one rank only, keep_last.
+set -euo pipefail
+suite=$1 driver=$2 mpirun=$3
+work=$(mktemp -d "${TMPDIR:-/tmp}/ts-ckpt-XXXXXX")
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+run() { local np=$1; shift; $mpirun -np "$np" "$driver" "$@"; }
+fail() { echo "FAILED: $*"; exit 1; }
+
+case $suite in
+resume)
+  for stage in 0 1 2 3; do
+    for prec in fp32 bf16; do
+      d=c-$stage-$prec
+      run 2 --stage $stage --precision $prec --steps 6 --save $d --save-at 3 --out straight-$d >/dev/null
+      run 2 --stage $stage --precision $prec --steps 6 --load $d --out resumed-$d >/dev/null
+      # straight holds steps 1-6, resumed steps 4-6.
+      tail -n 3 straight-$d.losses | diff - resumed-$d.losses >/dev/null ||
+        { paste straight-$d.losses resumed-$d.losses; fail "losses differ after resume ($stage $prec)"; }
+      cmp straight-$d.params.safetensors resumed-$d.params.safetensors ||
+        fail "final parameters differ after resume ($stage $prec)"
+      [ "$(cat $d/latest)" = global_step3 ] || fail "latest is '$(cat $d/latest)'"
+      echo "resume ok: stage $stage $prec"
+    done
+  done
+  # The manifest holds what the issue lists.
+  python3 - c-2-bf16/global_step3/manifest.json <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+for k in ["torchspeed_version", "config", "grid", "global_step", "engine", "params", "zero", "files", "ranks"]:
+    assert k in m, k
+assert "loss_scaler" in m["engine"] and "lr_schedule" in m["engine"]
+assert all("rng_cpu" in r and "data" in r["client_state"] for r in m["ranks"]), "per-rank RNG and data position"
+assert all("crc32c" in f and "bytes" in f for f in m["files"].values()), "checksums"
+print("manifest ok")
+PY
+  ;;
+reshard)
+  # No dropout: ranks of jobs of different sizes draw different masks, and training is compared.
+  common="--dropout 0 --gas 1 --precision fp32"
+  run 4 $common --stage 3 --steps 2 --save dp4 --save-at 2 >/dev/null
+  # Load and save again at once: the full state must come through bit for bit.
+  run 2 $common --stage 1 --steps 2 --load dp4 --save dp2 --save-at 2 --stop-after-save >/dev/null
+  run 1 $common --stage 2 --steps 2 --load dp2 --save dp1 --save-at 2 --stop-after-save >/dev/null
+  run 1 --compare dp4/global_step2 dp2/global_step2 | grep -q STATES_EQUAL || fail "dp 4 stage 3 -> dp 2 stage 1 changed the state"
+  run 1 --compare dp4/global_step2 dp1/global_step2 | grep -q STATES_EQUAL || fail "dp 2 stage 1 -> dp 1 stage 2 changed the state"
+  echo "reshard states equal: dp4 z3 -> dp2 z1 -> dp1 z2"
+  # Training on from the same checkpoint at dp 4, 2 and 1: same global batches, same losses up to
+  # the order of floating-point sums.
+  run 4 $common --stage 3 --steps 5 --load dp4 --out on4 >/dev/null
+  run 2 $common --stage 1 --steps 5 --load dp4 --out on2 >/dev/null
+  run 1 $common --stage 0 --steps 5 --load dp4 --out on1 >/dev/null
+  python3 - on4.losses on2.losses on1.losses <<'PY'
+import sys
+runs = [[float.fromhex(l.split()[1]) for l in open(f)] for f in sys.argv[1:]]
+assert len(runs[0]) == 3 and all(len(r) == 3 for r in runs), runs
+for r in runs[1:]:
+    for a, b in zip(runs[0], r):
+        assert abs(a - b) <= 1e-5 * abs(a), (runs[0], r)
+print("losses after reshard agree:", runs)
+PY
+  ;;
+faults)
+  common="--stage 2 --precision fp32"
+  run 2 $common --steps 4 --out straight >/dev/null
+  run 2 $common --steps 2 --save k --save-at 2 --stop-after-save >/dev/null
+  # A failure on one rank while writing: every rank reports it, nothing is published, training goes on.
+  run 2 $common --steps 4 --load k --save k --save-at 3 --fault fail:1 --out failed-save | tee out.txt >/dev/null
+  grep -q "SAVE_FAILED: .*failed on rank 1: .*injected failure" out.txt || { cat out.txt; fail "no clear error for a failed shard write"; }
+  [ "$(cat k/latest)" = global_step2 ] && [ ! -e k/global_step3 ] || fail "a failed save was published"
+  tail -n 2 straight.losses | diff - failed-save.losses >/dev/null || fail "a failed save changed training"
+  cmp straight.params.safetensors failed-save.params.safetensors || fail "a failed save changed the parameters"
+  echo "failed write ok"
+  # SIGKILL of rank 1 in the middle of saving step 4: latest still names step 2, which loads.
+  if run 2 $common --steps 4 --load k --save k --save-at 4 --fault kill:1 >/dev/null 2>&1; then fail "the killed job succeeded"; fi
+  [ "$(cat k/latest)" = global_step2 ] || fail "latest is '$(cat k/latest)' after a killed save"
+  [ ! -e k/global_step4 ] || fail "a killed save left k/global_step4"
+  run 2 $common --steps 4 --load k --out after-kill >/dev/null
+  tail -n 2 straight.losses | diff - after-kill.losses >/dev/null || fail "resuming after the killed save differs"
+  echo "killed save ok"
+  # Damaged shards are named, and the engine keeps its state: training from scratch equals straight.
+  cp -r k t && truncate -s -100 t/global_step2/rank00001.safetensors
+  run 2 $common --steps 4 --try-load t --out truncated | tee out.txt >/dev/null
+  grep -q "LOAD_FAILED: .*rank00001.safetensors: truncated" out.txt || { cat out.txt; fail "truncation not named"; }
+  diff straight.losses truncated.losses >/dev/null || fail "a failed load changed the engine"
+  cp -r k b && python3 -c "
+import sys; p='b/global_step2/rank00000.safetensors'; d=bytearray(open(p,'rb').read()); d[len(d)//2]^=0x10; open(p,'wb').write(d)"
+  run 2 $common --steps 4 --try-load b --out flipped | tee out.txt >/dev/null
+  grep -q "LOAD_FAILED: .*rank00000.safetensors: checksum mismatch" out.txt || { cat out.txt; fail "bit flip not detected"; }
+  diff straight.losses flipped.losses >/dev/null || fail "a failed load changed the engine"
+  echo "damaged shards ok"
+  # A folder that cannot be written, even by root (its parent is a file).
+  touch afile
+  run 2 $common --steps 4 --save afile/ckpt --save-at 2 --out unwritable | tee out.txt >/dev/null
+  grep -q "SAVE_FAILED: .*cannot create the checkpoint folder 'afile/ckpt'" out.txt || { cat out.txt; fail "unwritable folder"; }
+  diff straight.losses unwritable.losses >/dev/null || fail "a failed save changed training"
+  echo "unwritable folder ok"
+  # A save that only rank 0 calls ends the job with a clear error (not a hang).
+  start=$(date +%s)
+  if run 2 $common --steps 4 --save r --save-at 2 --only-rank0-saves --comm-timeout 5 >out.txt 2>&1; then fail "partial save succeeded"; fi
+  grep -q "not every rank joined the save" out.txt || { cat out.txt; fail "no clear error for a partial save"; }
+  echo "partial save ends in $(( $(date +%s) - start )) s"
+  # keep_last: only the newest tags stay.
+  run 2 $common --steps 5 --save kl --save-every 1 --keep-last 2 >/dev/null
+  [ "$(ls kl | sort | tr '\n' ' ')" = "global_step4 global_step5 latest " ] || fail "keep_last left: $(ls -a kl)"
+  echo "keep_last ok"
+  ;;
+*) fail "unknown suite $suite" ;;
+esac
+echo "CHECKPOINT_${suite}_PASSED"
