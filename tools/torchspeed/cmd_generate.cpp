@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 
 #include <cstdio>
-#include <filesystem>
 
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
@@ -19,22 +18,19 @@ Runner add_generate(CLI::App& app) {
     models::SampleOptions sample;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("--checkpoint", o->checkpoint, "Checkpoint folder (holds model.safetensors and config.json)")->required();
+  cmd->add_option("--checkpoint", o->checkpoint,
+                  "A run folder, a training checkpoint, a model folder (model.safetensors + config.json) "
+                  "or a .safetensors file from `torchspeed convert`")->required();
   cmd->add_option("--prompt", o->prompt, "Text to continue");
   cmd->add_option("--max-new-tokens", o->sample.max_new_tokens, "Tokens (bytes) to generate")->check(CLI::Range(1, 1000000));
   cmd->add_option("--temperature", o->sample.temperature, "Sampling temperature (0: greedy)")->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--top-k", o->sample.top_k, "Sample from the k most likely tokens (0: all)")->check(CLI::Range(0, 1 << 24));
   cmd->add_option("--seed", o->sample.seed, "Random seed");
   return [o]() {
-    std::string dir = o->checkpoint;
-    // Accept a run folder too (runs/x holds checkpoint/).
-    if (!std::filesystem::exists(dir + "/model.safetensors") && std::filesystem::exists(dir + "/checkpoint/model.safetensors")) {
-      dir += "/checkpoint";
-    }
-    auto cfg = checkpoint::load_config(dir);
-    auto gpt = models::GPTConfig::from_json(cfg.value("model", nlohmann::json::object()));
+    const auto loaded = checkpoint::load_model(o->checkpoint);
+    auto gpt = models::GPTConfig::from_json(loaded.config.value("model", nlohmann::json::object()));
     auto model = models::make_gpt(gpt);
-    checkpoint::load_into(model, dir);
+    checkpoint::load_into(model, loaded);
     data::ByteTokenizer tok;
     auto out = models::sample(model, gpt, tok.encode(o->prompt), o->sample);
     std::printf("%s%s\n", o->prompt.c_str(), tok.decode(out).c_str());

@@ -1,7 +1,9 @@
-// `torchspeed train --config FILE [--data PATH] [-n RANKS] [--out DIR] [--set KEY=VALUE ...]`:
-// trains the GPT of the config's "model" section with the engine on a text corpus, shows
-// progress on rank 0, evaluates, writes metrics.csv and loss.svg, and saves a checkpoint at the
-// end (or on Ctrl-C, after the current step). Launches its ranks itself when not under mpirun.
+// `torchspeed train --config FILE [--data PATH] [-n RANKS] [--out DIR] [--set KEY=VALUE ...]
+// [--resume]`: trains the GPT of the config's "model" section with the engine on a text corpus,
+// shows progress on rank 0, evaluates, writes metrics.csv and loss.svg, saves sharded training
+// checkpoints to OUT/checkpoints (every train.checkpoint_interval steps, at the end, and on
+// Ctrl-C after the current step) and the full model to OUT/model. --resume continues exactly
+// from OUT/checkpoints/latest. Launches its ranks itself when not under mpirun.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -133,6 +135,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
   struct Opts {
     std::string config, data, out;
     int ranks = 1;
+    bool resume = false;
     std::vector<std::string> sets;
   };
   auto o = std::make_shared<Opts>();
@@ -141,6 +144,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
   cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
   cmd->add_option("--out", o->out, "Output folder (default runs/<date-time>)");
   cmd->add_option("--set", o->sets, "Override a config key by its dotted path, e.g. --set train.steps=200");
+  cmd->add_flag("--resume", o->resume, "Continue from OUT/checkpoints/latest (exactly: data order, RNG, optimizer)");
   return [o, &inv]() -> int {
     if (o->out.empty()) o->out = default_out_dir();
     if (!launcher::under_launcher() && o->ranks > 1) {
@@ -151,6 +155,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       lo.extra_env.push_back(concat("TORCHSPEED_STDOUT_TTY=", ::isatty(1) ? 1 : 0));
       if (!o->data.empty()) lo.program.insert(lo.program.end(), {"--data", o->data});
       for (const auto& s : o->sets) lo.program.insert(lo.program.end(), {"--set", s});
+      if (o->resume) lo.program.push_back("--resume");
       std::fflush(stdout);
       // Ctrl-C: ask the ranks to stop after their current step and save (see stop_file below).
       const std::string stop = o->out + "/STOP";
@@ -218,22 +223,42 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       engine->train();
       return dp_mean(dp, sum / ts.eval_batches);
     };
-    auto save = [&](int64_t step) {
+    // Sharded, exactly resumable training state; at the end also the full model for generate.
+    const std::string checkpoints = o->out + "/checkpoints";
+    auto save = [&](bool final_model) {
+      const std::string path = engine->save_checkpoint(checkpoints, "", {{"data", loader.state()}});
+      if (rt.is_rank0() && !final_model) log::info0("saved ", path);
+      if (!final_model) return;
       auto params = engine->master_params();  // collective
       if (rt.is_rank0()) {
         nlohmann::json saved = j;
         saved["model"] = gpt.to_json();
-        checkpoint::save_consolidated(o->out + "/checkpoint", params, saved, step);
+        checkpoint::save_consolidated(o->out + "/model", params, saved, engine->global_step());
       }
     };
+    int64_t step = 0;
+    if (o->resume) {
+      if (auto loaded = engine->load_checkpoint(checkpoints)) {
+        loader.load_state(loaded->client_state.at("data"));
+        step = engine->global_step();
+        if (rt.is_rank0()) std::printf("  resumed from %s at step %ld\n", loaded->path.c_str(), static_cast<long>(step));
+      } else if (rt.is_rank0()) {
+        std::printf("  --resume: no checkpoint in %s yet; starting at step 0\n", checkpoints.c_str());
+      }
+      std::fflush(stdout);
+    }
 
     std::unique_ptr<monitor::MetricsCsv> csv;
-    if (rt.is_rank0()) csv = std::make_unique<monitor::MetricsCsv>(o->out + "/metrics.csv");
-    monitor::Progress progress(ts.steps, ts.log_interval);
     std::vector<monitor::StepMetrics> history;
+    if (rt.is_rank0()) {
+      csv = step > 0 ? std::make_unique<monitor::MetricsCsv>(o->out + "/metrics.csv", step)
+                     : std::make_unique<monitor::MetricsCsv>(o->out + "/metrics.csv");
+      history = csv->previous();
+    }
+    monitor::Progress progress(ts.steps, ts.log_interval, step);
     const auto start = std::chrono::steady_clock::now();
     auto window_start = start;
-    int64_t window_steps = 0, step = 0;
+    int64_t window_steps = 0;
     double last_val = std::numeric_limits<double>::quiet_NaN();
     bool evaluated_last = false;  // the same on every rank (history is rank 0's only)
     bool interrupted = false;
@@ -274,7 +299,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
         history.push_back(m);
         progress.update(m, std::chrono::duration<double>(now - start).count());
       }
-      if (ts.checkpoint_interval > 0 && step % ts.checkpoint_interval == 0 && step < ts.steps) save(step);
+      if (ts.checkpoint_interval > 0 && step % ts.checkpoint_interval == 0 && step < ts.steps) save(false);
       // Stop cleanly on a signal or when OUT/STOP exists (written by the launching CLI on Ctrl-C;
       // `touch OUT/STOP` works under any launcher): every rank agrees after this step.
       const bool stop_file = rt.is_rank0() && std::filesystem::exists(o->out + "/STOP");
@@ -287,7 +312,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       }
     }
     if (!evaluated_last && !interrupted) last_val = evaluate();
-    save(step);
+    save(true);
     if (rt.is_rank0()) std::filesystem::remove(o->out + "/STOP");
     if (rt.is_rank0()) {
       progress.finish();
@@ -300,8 +325,8 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
                     static_cast<long>(step), monitor::format_duration(secs).c_str(), last_val, bigram,
                     last_val < bigram ? "below" : "NOT below");
       }
-      std::printf("checkpoint: %s/checkpoint, metrics: %s/metrics.csv, plot: %s/loss.svg\n", o->out.c_str(),
-                  o->out.c_str(), o->out.c_str());
+      std::printf("model: %s/model, checkpoint: %s/checkpoints (--resume continues), metrics: %s/metrics.csv, "
+                  "plot: %s/loss.svg\n", o->out.c_str(), o->out.c_str(), o->out.c_str(), o->out.c_str());
     }
     engine.reset();
     shutdown();

@@ -24,5 +24,6 @@ Runner add_launch(CLI::App& app, const Invocation& inv);
 Runner add_bench(CLI::App& app, const Invocation& inv);
 Runner add_train(CLI::App& app, const Invocation& inv);
 Runner add_generate(CLI::App& app);
+Runner add_convert(CLI::App& app);
 
 }  // namespace torchspeed::cli

@@ -1,7 +1,7 @@
-// A consolidated model checkpoint: DIR/model.safetensors (every parameter, full, fp32, with the
-// model's own names) and DIR/config.json (the training config, model section included), both
-// written atomically. What `torchspeed generate` loads and any safetensors reader can read.
-// Sharded, exactly resumable training checkpoints build on this (see the checkpoint issue).
+// The full model in one file: DIR/model.safetensors (every parameter, whole, with the model's
+// own names) and DIR/config.json (the training config, model section included), written
+// atomically; consolidation of a sharded training checkpoint into it (DeepSpeed's
+// zero_to_fp32); and loading a model for generation from any of these forms.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -20,10 +20,24 @@ void save_consolidated(const std::string& dir, const NamedTensors& params, const
 // The LayerStack's parameters by the names the engine uses ("layer.param"), tied ones once.
 NamedTensors stack_parameters(nn::LayerStack& stack);
 
-// Copies every tensor of DIR/model.safetensors into the stack's parameters; a missing or extra
-// name or a shape mismatch is an error naming the parameter and both shapes.
-void load_into(nn::LayerStack& stack, const std::string& dir);
+struct Model {
+  NamedTensors params;       // fp32 unless converted otherwise, model order
+  nlohmann::json config;     // the training config with its "model" section
+  int64_t step = 0;
+  std::string source;        // the file the parameters came from (for errors)
+};
 
-nlohmann::json load_config(const std::string& dir);
+// Every parameter whole, in fp32, from a training checkpoint's shards: PATH is a tag folder
+// (holding manifest.json) or a folder with `latest`. Files are verified against the manifest.
+Model consolidate(const std::string& path);
+
+// A model to generate from, found at PATH: a .safetensors file written by `torchspeed convert`
+// (config in its metadata), a folder with model.safetensors and config.json, a training
+// checkpoint (consolidated on the fly), or a run folder holding model/ or checkpoints/.
+Model load_model(const std::string& path);
+
+// Copies `model`'s tensors into the stack's parameters; a missing or extra name or a shape
+// mismatch is an error naming the parameter and both shapes.
+void load_into(nn::LayerStack& stack, const Model& model);
 
 }  // namespace torchspeed::checkpoint

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <sstream>
 
 #include "torchspeed/checkpoint/safetensors.h"
@@ -22,9 +23,50 @@ std::string format_duration(double s) {
   return concat(t, "s");
 }
 
+namespace {
+constexpr const char* kCsvHeader = "step,samples,loss,val_loss,lr,loss_scale,grad_norm,tokens_per_s,mfu";
+}
+
 MetricsCsv::MetricsCsv(const std::string& path) : out_(path), path_(path) {
   TS_CHECK(out_.good(), "cannot write metrics to '", path, "'");
-  out_ << "step,samples,loss,val_loss,lr,loss_scale,grad_norm,tokens_per_s,mfu\n";
+  out_ << kCsvHeader << "\n";
+}
+
+MetricsCsv::MetricsCsv(const std::string& path, int64_t resume_after_step) : path_(path) {
+  std::vector<std::string> kept;
+  {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.empty() || line == kCsvHeader) continue;
+      std::vector<std::string> f;
+      std::stringstream ss(line);
+      for (std::string x; std::getline(ss, x, ',');) f.push_back(x);
+      if (f.size() < 9) continue;
+      StepMetrics m;
+      try {
+        m.step = std::stoll(f[0]);
+        m.samples = std::stoll(f[1]);
+        m.loss = std::stod(f[2]);
+        if (!f[3].empty()) m.val_loss = std::stod(f[3]);
+        m.lr = std::stod(f[4]);
+        m.loss_scale = std::stod(f[5]);
+        m.grad_norm = std::stod(f[6]);
+        m.tokens_per_s = std::stod(f[7]);
+        m.mfu = std::stod(f[8]);
+      } catch (const std::exception&) {
+        continue;  // a damaged row (the run was killed while writing it)
+      }
+      if (m.step > resume_after_step) continue;
+      previous_.push_back(m);
+      kept.push_back(line);
+    }
+  }
+  out_.open(path, std::ios::trunc);
+  TS_CHECK(out_.good(), "cannot write metrics to '", path, "'");
+  out_ << kCsvHeader << "\n";
+  for (const auto& l : kept) out_ << l << "\n";
+  out_.flush();
 }
 
 void MetricsCsv::write(const StepMetrics& m) {
@@ -97,8 +139,8 @@ void write_loss_svg(const std::string& path, const std::vector<StepMetrics>& h,
   checkpoint::write_file_atomic(path, o.str());
 }
 
-Progress::Progress(int64_t total, int64_t interval)
-    : total_(total), interval_(std::max<int64_t>(1, interval)), tty_(::isatty(1) != 0) {
+Progress::Progress(int64_t total, int64_t interval, int64_t first_step)
+    : total_(total), interval_(std::max<int64_t>(1, interval)), first_(first_step), tty_(::isatty(1) != 0) {
   // Under mpirun the ranks' stdout is a pseudo-terminal even when the user's is a pipe or file;
   // `torchspeed train` passes on what the user's stdout is.
   if (const char* v = std::getenv("TORCHSPEED_STDOUT_TTY")) tty_ = std::string(v) == "1";
@@ -108,7 +150,7 @@ void Progress::update(const StepMetrics& m, double elapsed) {
   if (m.val_loss) last_val_ = m.val_loss;
   const bool log_line = m.step % interval_ == 0 || m.step == total_ || m.val_loss;
   if (!tty_ && !log_line) return;
-  const double eta = m.step > 0 ? elapsed / m.step * (total_ - m.step) : 0;
+  const double eta = m.step > first_ ? elapsed / static_cast<double>(m.step - first_) * (total_ - m.step) : 0;
   char buf[512];
   const int width = 24;
   const int filled = static_cast<int>(width * m.step / std::max<int64_t>(1, total_));

@@ -20,11 +20,16 @@ struct StepMetrics {
 class MetricsCsv {
  public:
   explicit MetricsCsv(const std::string& path);
+  // Continues a resumed run's file: keeps the rows up to `step` (later ones were trained again
+  // from the checkpoint), available as previous().
+  MetricsCsv(const std::string& path, int64_t resume_after_step);
   void write(const StepMetrics& m);
+  const std::vector<StepMetrics>& previous() const { return previous_; }
 
  private:
   std::ofstream out_;
   std::string path_;
+  std::vector<StepMetrics> previous_;
 };
 
 // Writes an SVG line plot of the loss curves (validation as points with a line).
@@ -33,12 +38,13 @@ void write_loss_svg(const std::string& path, const std::vector<StepMetrics>& his
 
 class Progress {
  public:
-  Progress(int64_t total_steps, int64_t log_interval);
+  // first_step: the step a resumed run starts after (the ETA counts only this run's steps).
+  Progress(int64_t total_steps, int64_t log_interval, int64_t first_step = 0);
   void update(const StepMetrics& m, double elapsed_s);
   void finish();
 
  private:
-  int64_t total_, interval_;
+  int64_t total_, interval_, first_;
   bool tty_;
   std::optional<double> last_val_;
 };
