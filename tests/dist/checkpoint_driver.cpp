@@ -81,13 +81,7 @@ std::string hex(double v) {
 int compare(const std::string& a, const std::string& b) {
   auto full = [](const std::string& path, const std::string& kind) {
     const auto o = checkpoint::open_local(path);
-    std::map<std::string, checkpoint::FileDigest> digests;
-    for (const auto& [name, f] : o.manifest["files"].items()) digests[name] = {f["bytes"], f["crc32c"]};
-    checkpoint::ShardSource src(o.path, zero::PartitionLayout::from_json(o.manifest["zero"]["layout"], path),
-                                o.manifest["zero"]["files"].get<std::vector<std::string>>(), digests);
-    std::vector<std::pair<std::string, std::vector<int64_t>>> params;
-    for (const auto& p : o.manifest["params"]) params.emplace_back(p["name"], p["shape"].get<std::vector<int64_t>>());
-    return src.full(params, kind);
+    return checkpoint::shard_source(o).full(checkpoint::manifest_params(o), kind);
   };
   int diffs = 0;
   for (const char* kind : {"master", "exp_avg", "exp_avg_sq"}) {

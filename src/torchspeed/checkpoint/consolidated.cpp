@@ -37,16 +37,8 @@ NamedTensors stack_parameters(nn::LayerStack& stack) {
 Model consolidate(const std::string& path) {
   const Opened o = open_local(path);
   const auto& m = o.manifest;
-  const std::string where = o.path + "/manifest.json";
-  std::map<std::string, FileDigest> digests;
-  for (const auto& [name, f] : m.at("files").items())
-    digests[name] = {f.at("bytes").get<int64_t>(), f.at("crc32c").get<uint32_t>()};
-  ShardSource source(o.path, zero::PartitionLayout::from_json(m.at("zero").at("layout"), where),
-                     m.at("zero").at("files").get<std::vector<std::string>>(), digests);
-  std::vector<std::pair<std::string, std::vector<int64_t>>> params;
-  for (const auto& p : m.at("params")) params.emplace_back(p.at("name"), p.at("shape").get<std::vector<int64_t>>());
   Model out;
-  out.params = source.full(params, "master");
+  out.params = shard_source(o).full(manifest_params(o), "master");
   out.config = m.value("config", nlohmann::json::object());
   const nlohmann::json sections = m.value("sections", nlohmann::json::object());  // a named copy: items() refers to it
   for (const auto& [k, v] : sections.items()) out.config[k] = v;

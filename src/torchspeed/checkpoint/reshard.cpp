@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::checkpoint {
@@ -53,6 +54,23 @@ void ShardSource::copy(const std::string& name, int64_t begin, int64_t length, c
 
 NamedTensors ShardSource::partition(const zero::PartitionLayout& target, int rank,
                                     const std::vector<std::string>& kinds) {
+  // The same layout: the shard file holds exactly this partition (at stage 0, rank 0's copy).
+  if (target.to_json() == layout_.to_json()) {
+    const int src = layout_.stage == 0 ? 0 : rank;
+    if (!files_[static_cast<size_t>(src)].empty()) {
+      const SafetensorsFile& f = file(src);
+      NamedTensors out;
+      for (const auto& kind : kinds) {
+        const at::Tensor& t = f.at(kind);
+        TS_CHECK(t.scalar_type() == at::kFloat && t.numel() == target.part_numel, dir_, "/",
+                 files_[static_cast<size_t>(src)], ": '", kind, "' has ", t.numel(), " ", t.scalar_type(),
+                 " elements; the layout says ", target.part_numel, " float32");
+        out.emplace_back(kind, t);
+      }
+      cache_.erase(src);  // the caller holds the only references
+      return out;
+    }
+  }
   const auto want = zero::pieces(target, rank);
   NamedTensors out;
   for (const auto& kind : kinds) {
@@ -70,6 +88,31 @@ NamedTensors ShardSource::full(const std::vector<std::pair<std::string, std::vec
     at::Tensor t = at::empty(shape, at::kFloat);
     copy(name, 0, t.numel(), kind, t.data_ptr<float>());
     out.emplace_back(name, t);
+  }
+  return out;
+}
+
+ShardSource shard_source(const Opened& o) {
+  const auto& m = o.manifest;
+  const std::string where = o.path + "/manifest.json";
+  try {
+    std::map<std::string, FileDigest> digests;
+    for (const auto& [name, f] : m.at("files").items())
+      digests[name] = {f.at("bytes").get<int64_t>(), f.at("crc32c").get<uint32_t>()};
+    return ShardSource(o.path, zero::PartitionLayout::from_json(m.at("zero").at("layout"), where),
+                       m.at("zero").at("files").get<std::vector<std::string>>(), std::move(digests));
+  } catch (const nlohmann::json::exception& e) {
+    TS_CHECK(false, where, ": malformed files or zero sections: ", e.what());
+  }
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> manifest_params(const Opened& o) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  try {
+    for (const auto& p : o.manifest.at("params"))
+      out.emplace_back(p.at("name").get<std::string>(), p.at("shape").get<std::vector<int64_t>>());
+  } catch (const nlohmann::json::exception& e) {
+    TS_CHECK(false, o.path, "/manifest.json: malformed params: ", e.what());
   }
   return out;
 }

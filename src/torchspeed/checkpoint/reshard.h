@@ -48,4 +48,11 @@ class ShardSource {
   std::map<int, SafetensorsFile> cache_;
 };
 
+struct Opened;
+// The ShardSource of an opened checkpoint (its layout, shard files and checksums).
+ShardSource shard_source(const Opened& checkpoint);
+
+// The parameters a checkpoint's manifest lists, with their shapes, in model order.
+std::vector<std::pair<std::string, std::vector<int64_t>>> manifest_params(const Opened& checkpoint);
+
 }  // namespace torchspeed::checkpoint

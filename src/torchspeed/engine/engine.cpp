@@ -221,10 +221,10 @@ nlohmann::json Engine::export_counters() const {
           {"zero_stage", config_.zero.stage}, {"dp", groups_.dp->size()}, {"dp_rank", groups_.dp->rank()}};
 }
 
-void Engine::import_state(const nlohmann::json& s, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+void Engine::import_state(const nlohmann::json& s, std::vector<std::pair<std::string, at::Tensor>> tensors) {
   TS_CHECK(s.contains("global_steps") && s.contains("loss_scaler") && s.contains("lr_schedule"),
            "engine state is missing global_steps, loss_scaler or lr_schedule");
-  zero_->import_partition(tensors, s.at("optimizer_steps").get<int64_t>());
+  zero_->import_partition(std::move(tensors), s.at("optimizer_steps").get<int64_t>());
   global_steps_ = s.at("global_steps").get<int64_t>();
   micro_steps_ = s.at("micro_steps").get<int64_t>();
   skipped_steps_ = s.at("skipped_steps").get<int64_t>();

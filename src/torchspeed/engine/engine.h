@@ -67,7 +67,7 @@ class Engine {
   // counters, loss scaler and LR schedule (JSON). import_state restores all of it; a later step
   // is then bit-identical to one taken without the interruption.
   nlohmann::json export_state(std::vector<std::pair<std::string, at::Tensor>>& tensors) const;
-  void import_state(const nlohmann::json& state, const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+  void import_state(const nlohmann::json& state, std::vector<std::pair<std::string, at::Tensor>> tensors);
 
   // DeepSpeed's checkpoint verbs, collective over every rank of the job (see
   // checkpoint/sharded.h). save_checkpoint writes DIR/TAG (default "global_step<N>") at an

@@ -121,7 +121,7 @@ std::optional<Engine::LoadedCheckpoint> Engine::load_checkpoint(const std::strin
     TS_CHECK(opt == config_.optimizer.type, where, ": saved with optimizer ", opt, ", this job uses ",
              config_.optimizer.type, "; their states differ");
     std::map<std::string, std::vector<int64_t>> saved;
-    for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = p.at("shape").get<std::vector<int64_t>>();
+    for (auto& [name, shape] : checkpoint::manifest_params(*opened)) saved[name] = std::move(shape);
     const auto mine = zero_->param_shapes();
     for (const auto& [name, shape] : mine) {
       const auto it = saved.find(name);
@@ -133,17 +133,13 @@ std::optional<Engine::LoadedCheckpoint> Engine::load_checkpoint(const std::strin
     }
     TS_CHECK(saved.empty(), where, ": the checkpoint's parameter '", saved.empty() ? "" : saved.begin()->first,
              "' is not in the model; it was written for a different model");
-    std::map<std::string, checkpoint::FileDigest> digests;
-    for (const auto& [name, f] : m.at("files").items())
-      digests[name] = {f.at("bytes").get<int64_t>(), f.at("crc32c").get<uint32_t>()};
-    checkpoint::ShardSource source(opened->path, zero::PartitionLayout::from_json(m.at("zero").at("layout"), where),
-                                   m.at("zero").at("files").get<std::vector<std::string>>(), digests);
+    auto source = checkpoint::shard_source(*opened);
     std::vector<std::string> kinds{"master"};
     for (const auto& k : zero_->state_kinds()) kinds.push_back(k);
     tensors = source.partition(zero_->layout(), groups_.dp->rank(), kinds);
   });
   checkpoint::agree(*checkpoint_comm_, concat("load_checkpoint('", opened->path, "')"), err);
-  import_state(m.at("engine"), tensors);
+  import_state(m.at("engine"), std::move(tensors));
   // The RNG streams continue where they were; a job of another size takes rank r's when it exists.
   const auto& ranks = m.at("ranks");
   const size_t r = static_cast<size_t>(groups_.world->rank());

@@ -631,10 +631,9 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::export_partition(
   return out;
 }
 
-void ZeroOptimizer::import_partition(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                     int64_t steps) {
-  auto find = [&](const std::string& name) -> at::Tensor {
-    for (const auto& [n, t] : tensors)
+void ZeroOptimizer::import_partition(std::vector<std::pair<std::string, at::Tensor>> tensors, int64_t steps) {
+  auto find = [&](const std::string& name) -> at::Tensor& {
+    for (auto& [n, t] : tensors)
       if (n == name) {
         TS_CHECK(t.numel() == part_numel_ && t.scalar_type() == at::kFloat, "optimizer state '", name,
                  "' has ", t.numel(), " ", t.scalar_type(), " elements; this rank's partition needs ",
@@ -643,16 +642,29 @@ void ZeroOptimizer::import_partition(const std::vector<std::pair<std::string, at
       }
     TS_CHECK(false, "optimizer state has no '", name, "' tensor");
   };
-  at::Tensor master = find("master");
+  // Every tensor is checked before any buffer changes.
+  at::Tensor& master = find("master");
+  for (const auto& kind : state_kinds()) find(kind);
+  // A tensor only this call holds becomes the live buffer (a checkpoint load); others are copied.
+  auto adopt = [](at::Tensor& live, at::Tensor& t) {
+    if (t.is_contiguous() && t.storage_offset() == 0 && t.use_count() == 1 && t.storage().use_count() == 1) {
+      live = std::move(t);
+    } else {
+      live.copy_(t);
+    }
+  };
   if (opt_.type == "SGD") {
-    exp_avg_.copy_(find("momentum"));
+    adopt(exp_avg_, find("momentum"));
   } else {
-    exp_avg_.copy_(find("exp_avg"));
-    exp_avg_sq_.copy_(find("exp_avg_sq"));
+    adopt(exp_avg_, find("exp_avg"));
+    adopt(exp_avg_sq_, find("exp_avg_sq"));
   }
   step_count_ = steps;
   const optim::ParamOut out_kind = param_out(/*master_is_param=*/false);
-  if (master_.defined()) master_.copy_(master);
+  if (master_.defined()) {
+    adopt(master_, master);
+    master = master_;
+  }
   for (size_t ui = 0; ui < units_.size(); ++ui) {
     Unit& u = *units_[ui];
     if (!u.persistent && u.gathered) release(ui);

@@ -120,7 +120,8 @@ class ZeroOptimizer {
   // parameters from the masters (and re-gathers them for stages 1-2). Collective.
   // copy=false returns views of the live buffers where it can (valid until the next step).
   std::vector<std::pair<std::string, at::Tensor>> export_partition(bool copy = true) const;
-  void import_partition(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps);
+  // Tensors nobody else holds are adopted as the live buffers instead of copied.
+  void import_partition(std::vector<std::pair<std::string, at::Tensor>> tensors, int64_t steps);
 
   // Where each parameter's elements sit in every rank's partition (what a checkpoint needs to
   // reshard). The same on every rank.

@@ -1,0 +1,133 @@
+// Checkpoint building blocks without MPI: CRC-32C, safetensors round trips and damage
+// detection, and the partition layout's pieces (what resharding relies on).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+
+#include "test_util.h"
+#include "torchspeed/checkpoint/crc32c.h"
+#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/zero/partition_layout.h"
+
+namespace ck = torchspeed::checkpoint;
+namespace fs = std::filesystem;
+
+namespace {
+std::string temp_dir() {
+  auto d = fs::temp_directory_path() / ("ts-unit-ckpt-" + std::to_string(::getpid()));
+  fs::create_directories(d);
+  return d.string();
+}
+std::string read_all(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+}  // namespace
+
+TEST(Checkpoint, Crc32cMatchesTheStandardCheckValue) {
+  EXPECT_EQ(ck::crc32c(0, "123456789", 9), 0xE3069283u);
+  EXPECT_EQ(ck::crc32c(0, "", 0), 0u);
+  // Streaming in pieces (any split, unaligned) equals one pass.
+  std::string s(1000, '\0');
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>(i * 37 + 11);
+  const uint32_t whole = ck::crc32c(0, s.data(), s.size());
+  for (size_t cut : {1, 7, 8, 9, 500, 999}) {
+    EXPECT_EQ(ck::crc32c(ck::crc32c(0, s.data(), cut), s.data() + cut, s.size() - cut), whole) << cut;
+  }
+}
+
+TEST(Checkpoint, SafetensorsRoundTripsByteExactAndReportsItsDigest) {
+  const std::string dir = temp_dir(), path = dir + "/a.safetensors";
+  ck::NamedTensors t{{"w", at::randn({3, 5})}, {"b", at::randn({7}).to(at::kBFloat16)},
+                     {"i", at::arange(4, at::kLong)}, {"empty", at::empty({0, 3})}};
+  const auto d = ck::save_safetensors(path, t, {{"k", "v"}});
+  const std::string bytes = read_all(path);
+  EXPECT_EQ(d.bytes, static_cast<int64_t>(bytes.size()));
+  EXPECT_EQ(d.crc32c, ck::crc32c(0, bytes.data(), bytes.size()));
+  const auto f = ck::load_safetensors(path, &d);
+  ASSERT_EQ(f.tensors.size(), t.size());
+  for (size_t i = 0; i < t.size(); ++i) {
+    EXPECT_EQ(f.tensors[i].first, t[i].first);
+    EXPECT_TRUE(f.tensors[i].second.equal(t[i].second)) << t[i].first;
+  }
+  EXPECT_EQ(f.metadata.at("k"), "v");
+  // Saving what was loaded gives the same bytes.
+  ck::save_safetensors(dir + "/b.safetensors", f.tensors, f.metadata);
+  EXPECT_EQ(read_all(dir + "/b.safetensors"), bytes);
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, DamagedFilesAreRefusedWithTheirName) {
+  const std::string dir = temp_dir(), path = dir + "/s.safetensors";
+  const auto d = ck::save_safetensors(path, {{"x", at::randn({1000})}});
+  std::string bytes = read_all(path);
+  {  // one flipped bit in the data
+    std::string b = bytes;
+    b[b.size() / 2] ^= 0x04;
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << b;
+    ts_test::expect_error([&] { ck::load_safetensors(path, &d); }, path + ": checksum mismatch");
+  }
+  {  // truncated: caught by the size before reading, and without a manifest by the header
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() - 10);
+    ts_test::expect_error([&] { ck::load_safetensors(path, &d); }, path + ": truncated");
+    ts_test::expect_error([&] { ck::load_safetensors(path); }, "truncated");
+  }
+  {  // a header length past the end
+    std::string b = bytes;
+    b[5] = 0x7f;
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << b;
+    ts_test::expect_error([&] { ck::load_safetensors(path); }, "exceeds the file size");
+  }
+  fs::remove_all(dir);
+}
+
+// For random units and data-parallel sizes, the pieces of all ranks cover every element of every
+// parameter exactly once (stage >= 1), or completely on every rank (stage 0), inside the rank's
+// partition.
+TEST(Checkpoint, LayoutPiecesCoverEveryParameterOnce) {
+  std::mt19937 gen(3);
+  for (int trial = 0; trial < 200; ++trial) {
+    torchspeed::zero::PartitionLayout l;
+    l.stage = static_cast<int>(gen() % 4);
+    l.dp = 1 + static_cast<int>(gen() % 5);
+    std::map<std::string, int64_t> numel;
+    const int units = 1 + static_cast<int>(gen() % 4);
+    for (int u = 0; u < units; ++u) {
+      torchspeed::zero::UnitLayout ul;
+      int64_t off = 0;
+      const int params = 1 + static_cast<int>(gen() % 4);
+      for (int p = 0; p < params; ++p) {
+        const std::string name = "u" + std::to_string(u) + "p" + std::to_string(p);
+        const int64_t n = static_cast<int64_t>(gen() % 50);
+        ul.params.push_back({name, off, n});
+        numel[name] = n;
+        off += n + static_cast<int64_t>(gen() % 3);  // alignment gaps
+      }
+      ul.padded = ((std::max<int64_t>(off, 1) + l.dp - 1) / l.dp) * l.dp;
+      ul.shard = ul.padded / l.dp;
+      ul.part_size = l.stage == 0 ? ul.padded : ul.shard;
+      ul.part_offset = l.part_numel;
+      l.part_numel += ul.part_size;
+      l.units.push_back(ul);
+    }
+    const auto round = torchspeed::zero::PartitionLayout::from_json(l.to_json(), "test");
+    ASSERT_EQ(round.to_json(), l.to_json());
+    std::map<std::string, std::vector<int>> hits;
+    for (const auto& [name, n] : numel) hits[name].assign(static_cast<size_t>(n), 0);
+    for (int r = 0; r < l.dp; ++r) {
+      for (const auto& p : torchspeed::zero::pieces(l, r)) {
+        ASSERT_GE(p.part_offset, 0);
+        ASSERT_LE(p.part_offset + p.length, l.part_numel);
+        for (int64_t i = 0; i < p.length; ++i) ++hits[p.name][static_cast<size_t>(p.begin + i)];
+      }
+    }
+    const int expected = l.stage == 0 ? l.dp : 1;
+    for (const auto& [name, h] : hits)
+      for (size_t i = 0; i < h.size(); ++i) ASSERT_EQ(h[i], expected) << name << "[" << i << "] stage " << l.stage;
+  }
+}
