@@ -3,7 +3,7 @@
 // checkpoint first and saving at a step, and writes what the tests compare: the dp-mean loss of
 // every step as exact hex floats, and the final fp32 master weights as safetensors.
 //
-//   checkpoint_driver --stage S --precision fp32|bf16 --steps N [--gas G] [--dropout P]
+//   checkpoint_driver --stage S --precision fp32|bf16|fp16 --steps N [--gas G] [--dropout P] [--d-model D]
 //       [--load DIR | --try-load DIR] [--save DIR (--save-at K | --save-every K) [--stop-after-save]]
 //       [--keep-last K]
 //       [--fault kill:R|fail:R] [--only-rank0-saves] [--comm-timeout S] --out PREFIX
@@ -27,7 +27,7 @@ using namespace torchspeed;
 namespace {
 
 struct Args {
-  int stage = 0, steps = 4, gas = 2, save_at = -1, save_every = 0, keep_last = 0;
+  int stage = 0, steps = 4, gas = 2, save_at = -1, save_every = 0, keep_last = 0, d_model = 32;
   double dropout = 0.1, comm_timeout = 600;
   std::string precision = "fp32", load, try_load, save, fault, out, compare_a, compare_b;
   bool stop_after_save = false, only_rank0_saves = false;
@@ -48,6 +48,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--precision") a.precision = v();
     else if (k == "--steps") a.steps = std::stoi(v());
     else if (k == "--gas") a.gas = std::stoi(v());
+    else if (k == "--d-model") a.d_model = std::stoi(v());
     else if (k == "--dropout") a.dropout = std::stod(v());
     else if (k == "--load") a.load = v();
     else if (k == "--save") a.save = v();
@@ -113,6 +114,7 @@ int run(const Args& a, const Runtime& rt) {
       {"gradient_accumulation_steps", a.gas},
       {"gradient_clipping", 1.0},
       {"bf16", {{"enabled", a.precision == "bf16"}}},
+      {"fp16", {{"enabled", a.precision == "fp16"}, {"initial_scale_power", 12}, {"loss_scale_window", 2}}},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
       {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 3e-3}, {"warmup_num_steps", 3}}}}},
       {"zero_optimization", {{"stage", a.stage}, {"reduce_bucket_size", 3000}, {"stage3_param_persistence_threshold", 0}}},
@@ -124,7 +126,7 @@ int run(const Args& a, const Runtime& rt) {
   models::GPTConfig g;
   g.vocab = 256;
   g.seq_len = 16;
-  g.d_model = 32;
+  g.d_model = a.d_model;
   g.n_layer = 2;
   g.n_head = 2;
   g.dropout = a.dropout;

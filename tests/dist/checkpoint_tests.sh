@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoint tests across fresh processes, driven by checkpoint_driver.
 #   checkpoint_tests.sh resume|reshard|faults DRIVER "MPIRUN FLAGS..."
-# resume:  for ZeRO 0-3 x fp32/bf16 at dp 2: train 6 steps saving at step 3; new processes load
+# resume:  for ZeRO 0-3 x fp32/bf16 (and fp16 at stage 2) at dp 2: train 6 steps saving at step 3; new processes load
 #          step 3 and train to 6. Losses (exact hex) and final fp32 masters must be identical.
 # reshard: dp 4 stage 3 -> dp 2 stage 1 -> dp 1 stage 2: each load, saved again at once, has the
 #          same full optimizer state; training on from each agrees with dp 4 (fp32 tolerance).
@@ -18,7 +18,9 @@ fail() { echo "FAILED: $*"; exit 1; }
 case $suite in
 resume)
   for stage in 0 1 2 3; do
-    for prec in fp32 bf16; do
+    precs="fp32 bf16"
+    [ $stage = 2 ] && precs="fp32 bf16 fp16"  # fp16: the loss scaler continues too
+    for prec in $precs; do
       d=c-$stage-$prec
       run 2 --stage $stage --precision $prec --steps 6 --save $d --save-at 3 --out straight-$d >/dev/null
       run 2 --stage $stage --precision $prec --steps 6 --load $d --out resumed-$d >/dev/null
@@ -96,6 +98,14 @@ import sys; p='b/global_step2/rank00000.safetensors'; d=bytearray(open(p,'rb').r
   run 2 $common --steps 4 --try-load b --out flipped | tee out.txt >/dev/null
   grep -q "LOAD_FAILED: .*rank00000.safetensors: checksum mismatch" out.txt || { cat out.txt; fail "bit flip not detected"; }
   diff straight.losses flipped.losses >/dev/null || fail "a failed load changed the engine"
+  cp -r k m && rm m/global_step2/rank00001.safetensors
+  run 2 $common --steps 4 --try-load m --out missing | tee out.txt >/dev/null
+  grep -q "LOAD_FAILED: .*rank00001.safetensors.*No such file" out.txt || { cat out.txt; fail "missing shard not named"; }
+  diff straight.losses missing.losses >/dev/null || fail "a failed load changed the engine"
+  # Another model: the parameter and both shapes are named.
+  run 2 $common --steps 1 --d-model 48 --try-load k | tee out.txt >/dev/null
+  grep -q "LOAD_FAILED: .*parameter 'embed.tok.weight' has shape \[256, 32\] in the checkpoint but \[256, 48\] in the model" out.txt ||
+    { cat out.txt; fail "model mismatch not named"; }
   echo "damaged shards ok"
   # A folder that cannot be written, even by root (its parent is a file).
   touch afile
