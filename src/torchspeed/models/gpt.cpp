@@ -3,6 +3,7 @@
 #include "torchspeed/models/gpt.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
 
@@ -120,17 +121,36 @@ GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) {
 
 at::Tensor GPTHeadImpl::forward(const at::Tensor& x) { return at::matmul(ln_f(x), weight.t()); }
 
-nn::LayerStack make_gpt(const GPTConfig& c) {
-  nn::LayerStack s;
-  GPTEmbedding embed(c);
-  s->add("embed", embed);
-  for (int64_t i = 0; i < c.n_layer; ++i) s->add("block" + std::to_string(i), GPTBlock(c));
-  s->add("head", GPTHead(c, c.tie_embeddings ? embed->tok->weight : at::Tensor()));
+nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed) {
+  nn::StackSpec spec;
+  spec.seed = seed;
+  const int64_t d = c.d_model;
+  const int64_t block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+  nn::LayerSpec embed{"embed", [c](const nn::TiedTensors&) { return torch::nn::AnyModule(GPTEmbedding(c)); },
+                      c.vocab * d + c.seq_len * d, {}};
+  if (c.tie_embeddings) embed.ties = {{"tok.weight", "wte"}};
+  spec.layers.push_back(embed);
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    spec.layers.push_back({"block" + std::to_string(i),
+                           [c](const nn::TiedTensors&) { return torch::nn::AnyModule(GPTBlock(c)); }, block, {}});
+  }
+  nn::LayerSpec head{"head",
+                     [c](const nn::TiedTensors& tied) {
+                       const auto it = tied.find("wte");
+                       return torch::nn::AnyModule(GPTHead(c, c.tie_embeddings && it != tied.end() ? it->second : at::Tensor()));
+                     },
+                     2 * d + c.vocab * d, {}};
+  if (c.tie_embeddings) head.ties = {{"weight", "wte"}};
+  spec.layers.push_back(head);
   const int64_t vocab = c.vocab;
-  s->set_loss([vocab](const at::Tensor& logits, const at::Tensor& targets) {
+  spec.loss = [vocab](const at::Tensor& logits, const at::Tensor& targets) {
     return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
-  });
-  return s;
+  };
+  return spec;
+}
+
+nn::LayerStack make_gpt(const GPTConfig& c) {
+  return nn::build(gpt_spec(c, at::detail::getDefaultCPUGenerator().current_seed()));
 }
 
 }  // namespace torchspeed::models

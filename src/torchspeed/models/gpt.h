@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "torchspeed/nn/layer_spec.h"
 #include "torchspeed/nn/layer_stack.h"
 
 namespace torchspeed::models {
@@ -66,7 +67,10 @@ class GPTHeadImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPTHead);
 
-// Builds the stack (seeded by the caller: torch::manual_seed before this call).
+// The stack as a spec (layer i initialised from seed + i; the head tied to the token embedding
+// by the key "wte"): what a pipeline stage builds its own layers from.
+nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed);
+// Builds the whole stack, seeded from the seed last given to torch::manual_seed.
 nn::LayerStack make_gpt(const GPTConfig& config);
 
 }  // namespace torchspeed::models

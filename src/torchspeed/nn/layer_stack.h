@@ -31,6 +31,11 @@ class LayerStackImpl : public torch::nn::Module {
     layers_.emplace_back(name, torch::nn::AnyModule(registered));
     return *this;
   }
+  LayerStackImpl& add_any(const std::string& name, torch::nn::AnyModule module) {
+    register_module(name, module.ptr());
+    layers_.emplace_back(name, std::move(module));
+    return *this;
+  }
   LayerStackImpl& set_loss(LossFn loss) {
     loss_ = std::move(loss);
     return *this;
@@ -44,6 +49,7 @@ class LayerStackImpl : public torch::nn::Module {
   // Runs every layer.
   at::Tensor forward(at::Tensor x);
   bool has_loss() const { return static_cast<bool>(loss_); }
+  const LossFn& loss_fn() const { return loss_; }
   at::Tensor loss(const at::Tensor& output, const at::Tensor& target) const;
 
  private:

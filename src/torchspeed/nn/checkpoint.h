@@ -1,0 +1,19 @@
+// Activation checkpointing: run a segment of layers keeping only its input; backward replays the
+// segment with the RNG state of the first run (so dropout masks are identical) and
+// backpropagates through the replay. Parameters receive their gradients through their usual
+// AccumulateGrad nodes, so gradient hooks (ZeRO's buckets) work unchanged.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+
+namespace torchspeed::nn {
+
+using Segment = std::function<at::Tensor(const at::Tensor&)>;
+
+// `segment` must stay alive until the backward of the result has run. Without grad mode, this
+// is segment(x).
+at::Tensor checkpoint(const Segment& segment, const at::Tensor& x);
+
+}  // namespace torchspeed::nn
