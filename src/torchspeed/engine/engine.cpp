@@ -4,9 +4,12 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <unordered_map>
 
+#include "torchspeed/pipeline/partition.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 
@@ -68,7 +71,10 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
            " ranks but the job has ", g.grid.world_size(), "; pass the job's world size to Config::load");
   TS_CHECK(c.dp == g.dp->size(), "the config's data-parallel size ", c.dp,
            " differs from the data-parallel group's ", g.dp->size());
-  TS_CHECK(c.pp == 1, "pipeline.stages ", c.pp, ": pipeline parallelism is not available in this engine yet");
+  TS_CHECK(c.pp == 1 || c.zero.stage <= 1, "pipeline.stages ", c.pp, " with zero_optimization.stage ", c.zero.stage,
+           ": pipeline parallelism combines with ZeRO stages 0 and 1 (as in DeepSpeed)");
+  TS_CHECK(c.pipeline.activation_checkpoint_interval == 0 || c.zero.stage < 3,
+           "pipeline.activation_checkpoint_interval with ZeRO stage 3 is not available; use stage 0-2");
   TS_CHECK(c.tp == 1, "tensor_parallel.tp_size ", c.tp, ": tensor parallelism is not available in this engine yet");
   TS_CHECK(!c.zero.offload_optimizer.enabled() && !c.zero.offload_param.enabled(),
            "zero_optimization.offload_optimizer/offload_param: offload is not available yet; "
@@ -76,7 +82,7 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
 }
 
 std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Module>& root,
-                                             nn::LayerStack stack) {
+                                             nn::LayerStack stack, const StagePlan& plan) {
   std::vector<zero::NamedParam> out;
   std::unordered_map<const void*, size_t> seen;  // tied parameters appear once, where first used
   auto add = [&](const std::string& name, const at::Tensor& p, int layer) {
@@ -87,7 +93,10 @@ std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Mo
       if (layer >= 0 && layer != first.layer) first.also_used_by.push_back(layer);
       return;
     }
-    out.push_back({name, p, layer, {}});
+    bool counted = true;
+    for (const auto& t : plan.ties)
+      if (t.param == name && !t.owner) counted = false;
+    out.push_back({name, p, layer, {}, counted});
   };
   if (stack) {
     for (size_t i = 0; i < stack->size(); ++i) {
@@ -105,7 +114,7 @@ std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Mo
 }  // namespace
 
 Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Module> root,
-               nn::LayerStack stack, torch::nn::AnyModule any, config::Config config)
+               nn::LayerStack stack, torch::nn::AnyModule any, config::Config config, StagePlan plan)
     : groups_(std::move(groups)),
       root_(std::move(root)),
       stack_(std::move(stack)),
@@ -116,7 +125,28 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
       schedule_(config_.scheduler, config_.optimizer.lr,
                 config_.optimizer.betas.empty() ? 0.9 : config_.optimizer.betas[0]) {
   check_supported(config_, groups_);
+  plan_ = std::move(plan);
+  TS_CHECK(plan_.stages == config_.pp, "the engine was built for ", plan_.stages, " pipeline stages but the config has ",
+           config_.pp, "; build it with initialize() from a StackSpec");
+  TS_CHECK(config_.pipeline.activation_checkpoint_interval == 0 || stack_,
+           "pipeline.activation_checkpoint_interval needs a LayerStack model");
   make_checkpoint_comm();
+  pipe_schedule_ = pipeline::schedule_kind(config_.pipeline.schedule);
+  // Tied weights start from their first stage's value (before the optimizer copies them).
+  if (stack_) {
+    const auto named = stack_->named_parameters(/*recurse=*/true);
+    for (const auto& t : plan_.ties) {
+      const at::Tensor* p = nullptr;
+      for (const auto& item : named)
+        if (item.key() == t.param) p = &item.value();
+      TS_CHECK(p, "tied parameter '", t.param, "' is not in this stage's layers");
+      at::NoGradGuard g;
+      at::Tensor v = p->detach().contiguous();
+      t.comm->broadcast(v, 0);
+      if (!v.is_same(*p)) p->detach().copy_(v);
+      tied_params_.push_back(*p);
+    }
+  }
   zero::ZeroOptions zo;
   zo.stage(config_.zero.stage)
       .reduce_bucket_numel(config_.zero.reduce_bucket_size)
@@ -127,10 +157,26 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
       .precision(precision_)
       .communication_dtype(comm_dtype_of(config_))
       .gradient_predivide_factor(config_.gradient_predivide_factor)
-      .prescale_gradients(config_.prescale_gradients);
+      .prescale_gradients(config_.prescale_gradients)
+      .norm_group(plan_.stages > 1 ? groups_.pp : nullptr);
+  // Pipeline stages reduce after the tied weights' gradients are summed (ReduceTiedGrads), so
+  // buckets cannot start during the boundary backward.
+  if (plan_.stages > 1) zo.overlap_comm(false);
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
-  zero_ = std::make_unique<zero::ZeroOptimizer>(collect_params(root_, stack_), layers, groups_.dp,
+  zero_ = std::make_unique<zero::ZeroOptimizer>(collect_params(root_, stack_, plan_), layers, groups_.dp,
                                                 zo, optimizer_of(config_));
+  // Tied parameters are views into the optimizer's buffers now.
+  for (size_t i = 0; i < tied_params_.size(); ++i) {
+    for (const auto& item : stack_->named_parameters(true))
+      if (item.key() == plan_.ties[i].param) tied_params_[i] = item.value();
+  }
+  // Activation checkpointing: segments of `interval` layers keep only their input.
+  if (const int k = config_.pipeline.activation_checkpoint_interval; k > 0) {
+    for (size_t b = 0; b < stack_->size(); b += static_cast<size_t>(k)) {
+      const size_t e = std::min(stack_->size(), b + static_cast<size_t>(k));
+      segments_.push_back([this, b, e](const at::Tensor& x) { return run_layers(x, b, e, at::GradMode::is_enabled()); });
+    }
+  }
   root_->train();
   log::debug("engine: ", zero_->num_params(), " parameters, ZeRO stage ", config_.zero.stage, ", ",
              precision::precision_name(precision_), ", dp ", groups_.dp->size());
@@ -148,7 +194,14 @@ at::Tensor Engine::run(const at::Tensor& input) {
   if (x.is_floating_point() && x.scalar_type() != compute_dtype()) x = x.to(compute_dtype());
   if (!stack_) return any_.forward(x);
   const bool grad = at::GradMode::is_enabled() && root_->is_training();
-  for (size_t i = 0; i < stack_->size(); ++i) {
+  if (segments_.empty() || !grad) return run_layers(x, 0, stack_->size(), grad);
+  for (const auto& segment : segments_) x = nn::checkpoint(segment, x);
+  return x;
+}
+
+at::Tensor Engine::run_layers(const at::Tensor& input, size_t begin, size_t end, bool grad) {
+  at::Tensor x = input;
+  for (size_t i = begin; i < end; ++i) {
     zero_->pre_layer_forward(static_cast<int>(i));
     x = stack_->run_layer(i, x);
     x = zero_->post_layer_forward(static_cast<int>(i), x, grad);
@@ -157,6 +210,7 @@ at::Tensor Engine::run(const at::Tensor& input) {
 }
 
 at::Tensor Engine::forward(const at::Tensor& input) {
+  TS_CHECK(plan_.stages == 1, "forward(): with pipeline stages use train_batch() and eval_batch()");
   auto t = Clock::now();
   at::Tensor out = run(input);
   forward_s_ += since(t);
@@ -167,6 +221,7 @@ at::Tensor Engine::forward(const at::Tensor& input, const at::Tensor& target) {
   TS_CHECK(stack_ && stack_->has_loss(),
            "forward(input, target) needs a LayerStack with a loss function; call forward(input) "
            "and compute the loss yourself");
+  TS_CHECK(plan_.stages == 1, "forward(): with pipeline stages use train_batch() and eval_batch()");
   auto t = Clock::now();
   at::Tensor loss = stack_->loss(run(input), target);
   forward_s_ += since(t);
@@ -191,7 +246,13 @@ void Engine::backward(const at::Tensor& loss) {
 }
 
 void Engine::step() {
-  if (is_gradient_accumulation_boundary()) {
+  TS_CHECK(plan_.stages == 1, "step(): with pipeline stages use train_batch()");
+  if (is_gradient_accumulation_boundary()) optimizer_step();
+  ++micro_steps_;
+}
+
+void Engine::optimizer_step() {
+  {
     auto r = zero_->step(scaler_.scale(), config_.gradient_clipping, schedule_.lr(), schedule_.beta1());
     scaler_.update(r.overflow);
     if (r.overflow) {
@@ -204,7 +265,6 @@ void Engine::step() {
     }
     ++global_steps_;
   }
-  ++micro_steps_;
 }
 
 void Engine::zero_grad() { zero_->zero_grad(); }
@@ -266,6 +326,45 @@ std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, nn::L
 std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,
                                    const config::Config& config) {
   return initialize(make_groups(runtime, config), std::move(model), config);
+}
+
+std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const nn::StackSpec& spec,
+                                   const config::Config& config) {
+  const int stages = groups.grid.pp();
+  if (stages == 1) return initialize(groups, nn::build(spec), config);
+  std::vector<std::string> types;
+  const auto bounds = pipeline::partition(spec, stages, config.pipeline.partition_method, types);
+  const int stage = groups.coord.pp;
+  StagePlan plan;
+  plan.stage = stage;
+  plan.stages = stages;
+  // Tied weights held by several stages: one communicator per tie key over those stages (of
+  // this rank's pipeline); every rank takes part in every split, in key order.
+  std::map<std::string, std::vector<std::pair<int, std::string>>> holders;  // key -> (stage, param)
+  for (int s = 0; s < stages; ++s)
+    for (size_t i = bounds[static_cast<size_t>(s)]; i < bounds[static_cast<size_t>(s) + 1]; ++i)
+      for (const auto& [param, key] : spec.layers[i].ties) holders[key].emplace_back(s, spec.layers[i].name + "." + param);
+  for (const auto& [key, list] : holders) {
+    std::vector<int> on;
+    for (const auto& h : list)
+      if (on.empty() || on.back() != h.first) on.push_back(h.first);
+    if (on.size() < 2) continue;
+    const bool member = std::find(on.begin(), on.end(), stage) != on.end();
+    const int color = member ? groups.pp->world_ranks().front() : groups.grid.world_size() + groups.rank;
+    auto c = groups.world->split(color, stage, "tied:" + key);
+    if (!member) continue;
+    for (const auto& [s, param] : list)
+      if (s == stage) plan.ties.push_back({param, c, s == on.front()});
+  }
+  nn::LayerStack local = nn::build(spec, bounds[static_cast<size_t>(stage)], bounds[static_cast<size_t>(stage) + 1]);
+  log::debug("pipeline stage ", stage, " of ", stages, ": layers ", bounds[static_cast<size_t>(stage)], "..",
+             bounds[static_cast<size_t>(stage) + 1] - 1);
+  std::shared_ptr<torch::nn::Module> root = local.ptr();
+  return std::make_unique<Engine>(groups, root, local, torch::nn::AnyModule(), config, std::move(plan));
+}
+
+std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config) {
+  return initialize(make_groups(runtime, config), spec, config);
 }
 
 std::unique_ptr<Engine> initialize_module(const parallel::ParallelGroups& groups,

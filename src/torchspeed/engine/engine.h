@@ -7,12 +7,16 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "torchspeed/config/config.h"
+#include "torchspeed/nn/checkpoint.h"
+#include "torchspeed/nn/layer_spec.h"
 #include "torchspeed/nn/layer_stack.h"
+#include "torchspeed/pipeline/schedule.h"
 #include "torchspeed/optim/lr_schedule.h"
 #include "torchspeed/parallel/process_grid.h"
 #include "torchspeed/precision/loss_scaler.h"
@@ -26,11 +30,22 @@ struct EngineTimings {
   int64_t buckets_launched_in_backward = 0, buckets_launched_after = 0;
 };
 
+// Where this rank's layers sit in a pipeline (built by initialize from a StackSpec).
+struct StagePlan {
+  int stage = 0, stages = 1;
+  struct Tie {
+    std::string param;            // the parameter's name in this stage ("head.weight")
+    comm::CommunicatorPtr comm;   // the stages holding the tied weight, ordered by stage
+    bool owner = false;           // the first of them: its value is the initial one
+  };
+  std::vector<Tie> ties;
+};
+
 class Engine {
  public:
   // A LayerStack (every ZeRO stage) or any module with forward(Tensor) -> Tensor (stages 0-2).
   Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Module> root,
-         nn::LayerStack stack, torch::nn::AnyModule any, config::Config config);
+         nn::LayerStack stack, torch::nn::AnyModule any, config::Config config, StagePlan plan = {});
   ~Engine();
 
   // The model's output. Floating inputs are cast to the compute dtype.
@@ -38,6 +53,33 @@ class Engine {
   // A LayerStack's loss on (input, target).
   at::Tensor forward(const at::Tensor& input, const at::Tensor& target);
   void backward(const at::Tensor& loss);
+
+  // One training batch of gradient_accumulation_steps micro-batches, each (inputs, targets)
+  // from `next`, ending with the optimizer step; DeepSpeed's train_batch. With pipeline stages
+  // it runs the config's schedule (pipeline.schedule: 1f1b or gpipe): the first stage uses the
+  // inputs, the last the targets, activations and gradients travel point to point. Returns the
+  // batch's mean loss (over micro-batches and data-parallel ranks) on every rank.
+  using MicroBatchSource = std::function<std::pair<at::Tensor, at::Tensor>()>;
+  double train_batch(const MicroBatchSource& next);
+  // The mean loss of gradient_accumulation_steps micro-batches, forward only.
+  double eval_batch(const MicroBatchSource& next);
+  // Any loader whose next() returns a batch with .inputs and .targets (data::TextLoader).
+  template <typename Loader>
+  double train_batch(Loader& loader) {
+    return train_batch(MicroBatchSource([&loader] {
+      auto b = loader.next();
+      return std::make_pair(b.inputs, b.targets);
+    }));
+  }
+  template <typename Loader>
+  double eval_batch(Loader& loader) {
+    return eval_batch(MicroBatchSource([&loader] {
+      auto b = loader.next();
+      return std::make_pair(b.inputs, b.targets);
+    }));
+  }
+  int stage() const { return plan_.stage; }
+  int num_stages() const { return plan_.stages; }
   // Call once per micro-batch, after backward; updates at accumulation boundaries.
   void step();
   void zero_grad();
@@ -85,11 +127,18 @@ class Engine {
   // file is verified first: on any error every rank throws and the engine is unchanged.
   std::optional<LoadedCheckpoint> load_checkpoint(const std::string& dir, const std::string& tag = "");
 
-  // Full fp32 master weights by name (collective over the data-parallel group).
-  std::vector<std::pair<std::string, at::Tensor>> master_params() { return zero_->gather_master(); }
+  // Full fp32 master weights by name, the whole model on every rank (collective over every
+  // rank; with pipeline stages each tied weight once, under its first stage's name).
+  std::vector<std::pair<std::string, at::Tensor>> master_params();
 
  private:
   at::Tensor run(const at::Tensor& input);
+  at::Tensor run_layers(const at::Tensor& x, size_t begin, size_t end, bool grad);
+  void optimizer_step();
+  double pipeline_batch(const MicroBatchSource& next, bool train);
+  void send_activation(const at::Tensor& t, int mb, std::vector<std::pair<comm::WorkPtr, at::Tensor>>& sends);
+  at::Tensor recv_activation(int mb);
+  double mean_over_data_parallel(double v) const;
   nlohmann::json export_counters() const;
   void make_checkpoint_comm();
 
@@ -106,7 +155,19 @@ class Engine {
   int64_t micro_steps_ = 0, global_steps_ = 0, skipped_steps_ = 0;
   double grad_norm_ = 0.0;
   double forward_s_ = 0, backward_s_ = 0;
+  StagePlan plan_;
+  std::vector<at::Tensor> tied_params_;  // plan_.ties' parameters
+  std::vector<nn::Segment> segments_;    // activation checkpointing: a segment per interval
+  pipeline::ScheduleKind pipe_schedule_ = pipeline::ScheduleKind::k1F1B;
+  std::vector<int64_t> act_shape_sent_, act_shape_recv_;  // exchanged once (see engine_pipeline.cpp)
+  at::ScalarType act_dtype_recv_ = at::kFloat;
 };
+
+// From a spec: with pipeline.stages > 1 each rank builds only its stage's layers (partitioned by
+// pipeline.partition_method), and tied weights are kept equal across stages.
+std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const nn::StackSpec& spec,
+                                   const config::Config& config);
+std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config);
 
 // Builds the process grid and its groups from the config over every rank of the job.
 std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,

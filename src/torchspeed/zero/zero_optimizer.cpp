@@ -86,6 +86,7 @@ struct ZeroOptimizer::Unit {
     std::vector<int64_t> shape;
     int64_t offset = 0, numel = 0;
     bool ready = false;
+    bool count_in_norm = true;
   };
   std::vector<Param> params;
   int64_t numel = 0, padded = 0, shard = 0;
@@ -198,6 +199,7 @@ void ZeroOptimizer::build_units(std::vector<NamedParam> params, int num_layers) 
       up.shape = p.param.sizes().vec();
       up.numel = p.param.numel();
       up.offset = u->numel;
+      up.count_in_norm = p.count_in_norm;
       u->numel += up.numel;
       if (p.layer >= 0 && options_.stage() == 3) {
         std::vector<int> users = p.also_used_by;
@@ -431,10 +433,18 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr,
   for (auto& u : units_) {
     at::Tensor g = owned_grad(*u);
     local_sq += optim::sum_squares(g.data_ptr(), st, g.numel());
+    // Copies of weights counted on another stage: their owned elements leave the sum.
+    const int64_t lo = dp_rank_ * u->shard, hi = lo + u->shard;
+    for (const auto& p : u->params) {
+      if (p.count_in_norm) continue;
+      const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel);
+      if (a < b) local_sq -= optim::sum_squares(g.narrow(0, a - lo, b - a).data_ptr(), st, b - a);
+    }
   }
   // One all-reduce gives the global norm and, through inf/NaN, the overflow agreement.
   at::Tensor sq = at::full({1}, local_sq, at::kDouble);
   dp_->all_reduce(sq);
+  if (options_.norm_group() && options_.norm_group()->size() > 1) options_.norm_group()->all_reduce(sq);
   const double total_sq = sq.item<double>();
   StepResult result;
   result.overflow = !std::isfinite(total_sq);

@@ -42,6 +42,9 @@ struct ZeroOptions {
   TORCH_ARG(at::ScalarType, communication_dtype) = at::ScalarType::Undefined;
   TORCH_ARG(double, gradient_predivide_factor) = 1.0;
   TORCH_ARG(bool, prescale_gradients) = false;
+  // The other ranks holding the rest of the model (pipeline stages): the gradient norm and the
+  // overflow decision cover the whole model. Null: this rank holds all of it.
+  TORCH_ARG(comm::CommunicatorPtr, norm_group) = nullptr;
 };
 
 struct OptimizerSpec {
@@ -55,6 +58,9 @@ struct NamedParam {
   at::Tensor param;  // the model's leaf parameter; replaced (set_data) by a view into a unit
   int layer = -1;    // LayerStack layer that owns it (-1 for plain modules)
   std::vector<int> also_used_by;  // later layers sharing it (tied weights, e.g. an LM head)
+  // false for a copy of a weight another stage also holds (a tied weight on its later stages):
+  // its gradient counts once in the global norm.
+  bool count_in_norm = true;
 };
 
 struct StepResult {
