@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "bench_report.h"
+#include "torchspeed/runtime/memory_counter.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/runtime/error.h"
 
@@ -19,42 +20,6 @@ namespace {
 
 // Wraps LibTorch's CPU allocator and counts the bytes of live allocations: an independent
 // measurement of what the engine holds (its own accounting is printed beside it).
-class CountingAllocator final : public at::Allocator {
- public:
-  explicit CountingAllocator(at::Allocator* base) : base_(base) {}
-#if TORCH_VERSION_MAJOR >= 2
-  at::DataPtr allocate(size_t n) override { return wrap(n); }
-#else
-  at::DataPtr allocate(size_t n) const override { return wrap(n); }
-#endif
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-#endif
-  int64_t live() const { return live_.load(); }
-
- private:
-  struct Ctx {
-    at::DataPtr inner;
-    size_t n;
-    const CountingAllocator* owner;
-  };
-  at::DataPtr wrap(size_t n) const {
-    at::DataPtr inner = base_->allocate(n);
-    live_ += static_cast<int64_t>(n);
-    void* data = inner.get();
-    at::Device device = inner.device();
-    auto* ctx = new Ctx{std::move(inner), n, this};
-    return at::DataPtr(data, ctx, &CountingAllocator::release, device);
-  }
-  static void release(void* p) {
-    auto* ctx = static_cast<Ctx*>(p);
-    ctx->owner->live_ -= static_cast<int64_t>(ctx->n);
-    delete ctx;
-  }
-  at::Allocator* base_;
-  mutable std::atomic<int64_t> live_{0};
-};
-
 int64_t rss_bytes() {
   std::ifstream in("/proc/self/statm");
   int64_t size = 0, resident = 0;
@@ -80,8 +45,7 @@ int run_memory(const BenchArgs& args) {
   auto world = comm::Communicator::world();
   const int rank = world->rank();
   TS_CHECK(world->size() == 4, "bench memory runs on 4 ranks (torchspeed bench memory -n 4)");
-  static CountingAllocator counter(c10::GetDefaultCPUAllocator());
-  c10::SetCPUAllocator(&counter, /*priority=*/100);
+  CountingAllocator& counter = count_cpu_allocations();
   const int64_t width = args.quick ? 512 : 2880, layers = 12;  // 12 x 2880^2 = 99.6M parameters
   const int64_t bucket = 20000000;
   BenchReport report("memory");
