@@ -3,7 +3,7 @@
 // checkpoint first and saving at a step, and writes what the tests compare: the dp-mean loss of
 // every step as exact hex floats, and the final fp32 master weights as safetensors.
 //
-//   checkpoint_driver --stage S --precision fp32|bf16|fp16 --steps N [--gas G] [--dropout P] [--d-model D]
+//   checkpoint_driver --stage S --precision fp32|bf16|fp16 --steps N [--gas G] [--dropout P] [--d-model D] [--pp P]
 //       [--load DIR | --try-load DIR] [--save DIR (--save-at K | --save-every K) [--stop-after-save]]
 //       [--keep-last K]
 //       [--fault kill:R|fail:R] [--only-rank0-saves] [--comm-timeout S] --out PREFIX
@@ -27,7 +27,7 @@ using namespace torchspeed;
 namespace {
 
 struct Args {
-  int stage = 0, steps = 4, gas = 2, save_at = -1, save_every = 0, keep_last = 0, d_model = 32;
+  int stage = 0, steps = 4, gas = 2, save_at = -1, save_every = 0, keep_last = 0, d_model = 32, pp = 1;
   double dropout = 0.1, comm_timeout = 600;
   std::string precision = "fp32", load, try_load, save, fault, out, compare_a, compare_b;
   bool stop_after_save = false, only_rank0_saves = false;
@@ -49,6 +49,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--steps") a.steps = std::stoi(v());
     else if (k == "--gas") a.gas = std::stoi(v());
     else if (k == "--d-model") a.d_model = std::stoi(v());
+    else if (k == "--pp") a.pp = std::stoi(v());
     else if (k == "--dropout") a.dropout = std::stod(v());
     else if (k == "--load") a.load = v();
     else if (k == "--save") a.save = v();
@@ -81,8 +82,7 @@ std::string hex(double v) {
 // Every parameter's master, exp_avg and exp_avg_sq, whole, from a checkpoint's files.
 int compare(const std::string& a, const std::string& b) {
   auto full = [](const std::string& path, const std::string& kind) {
-    const auto o = checkpoint::open_local(path);
-    return checkpoint::shard_source(o).full(checkpoint::manifest_params(o), kind);
+    return checkpoint::full_state(checkpoint::open_local(path), kind);
   };
   int diffs = 0;
   for (const char* kind : {"master", "exp_avg", "exp_avg_sq"}) {
@@ -108,7 +108,8 @@ int compare(const std::string& a, const std::string& b) {
 
 int run(const Args& a, const Runtime& rt) {
   const int world = rt.world_size;
-  const int micro = 8 / (a.gas * world) > 0 ? 8 / (a.gas * world) : 1;  // global batch 8
+  const int dp_size = world / a.pp;
+  const int micro = 8 / (a.gas * dp_size) > 0 ? 8 / (a.gas * dp_size) : 1;  // global batch 8
   nlohmann::json j = {
       {"train_micro_batch_size_per_gpu", micro},
       {"gradient_accumulation_steps", a.gas},
@@ -119,6 +120,7 @@ int run(const Args& a, const Runtime& rt) {
       {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 3e-3}, {"warmup_num_steps", 3}}}}},
       {"zero_optimization", {{"stage", a.stage}, {"reduce_bucket_size", 3000}, {"stage3_param_persistence_threshold", 0}}},
       {"checkpoint", {{"keep_last", a.keep_last}}},
+      {"pipeline", {{"stages", a.pp}}},
       {"torchspeed", {{"comm_timeout_s", a.comm_timeout}}}};
   config::WorldShape shape;
   shape.world_size = world;
@@ -130,8 +132,7 @@ int run(const Args& a, const Runtime& rt) {
   g.n_layer = 2;
   g.n_head = 2;
   g.dropout = a.dropout;
-  torch::manual_seed(7);
-  auto engine = initialize(rt, models::make_gpt(g), cfg);
+  auto engine = initialize(rt, models::gpt_spec(g, 7), cfg);
   // Deterministic text: a few thousand bytes of a repeating pattern with variation.
   std::vector<uint8_t> tokens(6000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint8_t>(97 + (i * i / 7 + i / 13) % 26);
@@ -175,17 +176,8 @@ int run(const Args& a, const Runtime& rt) {
   std::ofstream losses;
   if (rt.is_rank0() && !a.out.empty()) losses.open(a.out + ".losses", std::ios::app);
   while (engine->global_step() < a.steps) {
-    double sum = 0;
-    for (int m = 0; m < a.gas; ++m) {
-      auto b = loader.next();
-      at::Tensor loss = engine->forward(b.inputs, b.targets);
-      engine->backward(loss);
-      engine->step();
-      sum += loss.item<double>();
-    }
-    at::Tensor mean = at::full({1}, sum / a.gas, at::kDouble);
-    dp->all_reduce(mean, comm::ReduceOp::kAvg);
-    if (losses.is_open()) losses << engine->global_step() << " " << hex(mean.item<double>()) << "\n" << std::flush;
+    const double mean = engine->train_batch(loader);  // over micro-batches and data-parallel ranks
+    if (losses.is_open()) losses << engine->global_step() << " " << hex(mean) << "\n" << std::flush;
     if (maybe_save()) return 0;
   }
   auto params = engine->master_params();

@@ -33,6 +33,12 @@ resume)
       echo "resume ok: stage $stage $prec"
     done
   done
+  # Pipeline stages (pp 2): each stage's slice saved and resumed exactly, tied weights included.
+  run 2 --pp 2 --stage 1 --steps 6 --save pp --save-at 3 --out straight-pp >/dev/null
+  run 2 --pp 2 --stage 1 --steps 6 --load pp --out resumed-pp >/dev/null
+  tail -n 3 straight-pp.losses | diff - resumed-pp.losses >/dev/null || fail "losses differ after a pipeline resume"
+  cmp straight-pp.params.safetensors resumed-pp.params.safetensors || fail "parameters differ after a pipeline resume"
+  echo "resume ok: pp 2 ZeRO-1"
   # The manifest holds what the issue lists.
   python3 - c-2-bf16/global_step3/manifest.json <<'PY'
 import json, sys

@@ -12,7 +12,7 @@
 namespace torchspeed::cli {
 
 Runner add_bench(CLI::App& app, const Invocation& inv) {
-  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm, adam, memory, overlap, train, checkpoint");
+  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm, adam, memory, overlap, train, checkpoint, pipeline");
   struct Opts {
     std::string name;
     int ranks = 0;  // 0: the benchmark's own rank count
@@ -20,7 +20,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     bool engine_part = false;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm", "adam", "memory", "overlap", "train", "checkpoint"}));
+  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm", "adam", "memory", "overlap", "train", "checkpoint", "pipeline"}));
   cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
   cmd->add_option("--json", o->args.json_path, "Write the results as JSON to FILE");
   cmd->add_flag("--quick", o->args.quick, "Fewer sizes and repetitions (smoke run)");
@@ -43,6 +43,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     if (o->name == "memory") rc = bench::run_memory(o->args);
     if (o->name == "overlap") rc = bench::run_overlap(o->args);
     if (o->name == "checkpoint") rc = bench::run_checkpoint(o->args);
+    if (o->name == "pipeline") rc = bench::run_pipeline(o->args);
     if (o->name == "train") rc = bench::run_train_engine_part(o->args);
     shutdown();
     return rc;

@@ -121,12 +121,6 @@ std::string default_out_dir() {
   return buf;
 }
 
-// Mean of a scalar over the data-parallel group.
-double dp_mean(const comm::CommunicatorPtr& dp, double v) {
-  at::Tensor t = at::full({1}, v, at::kDouble);
-  dp->all_reduce(t, comm::ReduceOp::kAvg);
-  return t.item<double>();
-}
 
 }  // namespace
 
@@ -185,8 +179,8 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     auto corpus = data::TextCorpus::load(ds.path, ds.val_fraction, gpt.seq_len + 1);
     const double bigram = corpus.bigram_entropy();
     torch::manual_seed(static_cast<uint64_t>(cfg.seed));
-    auto model = models::make_gpt(gpt);
-    auto engine = initialize(rt, model, cfg);
+    // From the spec: with pipeline.stages > 1 each rank builds only its stage's layers.
+    auto engine = initialize(rt, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed)), cfg);
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
     data::TextLoader loader(corpus.train, gpt.seq_len, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));
@@ -199,9 +193,9 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     if (rt.is_rank0()) {
       std::printf("torchspeed train: GPT %ld layers, d_model %ld, %ld heads, seq %ld: %.2fM parameters\n",
                   static_cast<long>(gpt.n_layer), static_cast<long>(gpt.d_model), static_cast<long>(gpt.n_head),
-                  static_cast<long>(gpt.seq_len), engine->num_parameters() / 1e6);
-      std::printf("  %d ranks (dp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp\n",
-                  rt.world_size, dp->size(), cfg.zero.stage,
+                  static_cast<long>(gpt.seq_len), gpt.num_params() / 1e6);
+      std::printf("  %d ranks (dp %d x pp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp\n",
+                  rt.world_size, dp->size(), cfg.pp, cfg.zero.stage,
                   precision::precision_name(engine->precision()), static_cast<long>(cfg.train_batch_size),
                   static_cast<long>(micro), static_cast<long>(cfg.gradient_accumulation_steps), dp->size());
       std::printf("  data: %s, %zu files, %.2f MB train / %.2f MB validation\n", ds.path.c_str(),
@@ -212,16 +206,10 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
 
     auto evaluate = [&]() {
-      engine->eval();
-      at::NoGradGuard no_grad;
       data::TextLoader val(corpus.val, gpt.seq_len, micro, dp->rank(), dp->size(), 12345);
       double sum = 0;
-      for (int64_t i = 0; i < ts.eval_batches; ++i) {
-        auto b = val.next();
-        sum += engine->forward(b.inputs, b.targets).item<double>();
-      }
-      engine->train();
-      return dp_mean(dp, sum / ts.eval_batches);
+      for (int64_t i = 0; i < ts.eval_batches; ++i) sum += engine->eval_batch(val);  // dp means
+      return sum / static_cast<double>(ts.eval_batches);
     };
     // Sharded, exactly resumable training state; at the end also the full model for generate.
     const std::string checkpoints = o->out + "/checkpoints";
@@ -264,20 +252,13 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     bool interrupted = false;
     while (step < ts.steps) {
       const double step_lr = engine->lr();  // the LR this step's update uses
-      double loss_sum = 0;
-      for (int64_t m = 0; m < cfg.gradient_accumulation_steps; ++m) {
-        auto b = loader.next();
-        at::Tensor loss = engine->forward(b.inputs, b.targets);
-        engine->backward(loss);
-        engine->step();
-        loss_sum += loss.item<double>();
-      }
+      const double loss = engine->train_batch(loader);  // mean over micro-batches and dp ranks
       ++step;
       ++window_steps;
       monitor::StepMetrics m;
       m.step = step;
       m.samples = step * cfg.train_batch_size;
-      m.loss = dp_mean(dp, loss_sum / cfg.gradient_accumulation_steps);
+      m.loss = loss;
       m.lr = step_lr;
       m.loss_scale = engine->loss_scale();
       m.grad_norm = engine->grad_norm();

@@ -38,7 +38,7 @@ Model consolidate(const std::string& path) {
   const Opened o = open_local(path);
   const auto& m = o.manifest;
   Model out;
-  out.params = shard_source(o).full(manifest_params(o), "master");
+  out.params = full_state(o, "master");
   out.config = m.value("config", nlohmann::json::object());
   const nlohmann::json sections = m.value("sections", nlohmann::json::object());  // a named copy: items() refers to it
   for (const auto& [k, v] : sections.items()) out.config[k] = v;

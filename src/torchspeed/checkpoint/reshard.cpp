@@ -92,27 +92,57 @@ NamedTensors ShardSource::full(const std::vector<std::pair<std::string, std::vec
   return out;
 }
 
-ShardSource shard_source(const Opened& o) {
-  const auto& m = o.manifest;
+namespace {
+const nlohmann::json& find_slice(const Opened& o, int pp, int tp) {
+  const std::string where = o.path + "/manifest.json";
+  try {
+    for (const auto& s : o.manifest.at("zero").at("slices"))
+      if (s.at("pp").get<int>() == pp && s.at("tp").get<int>() == tp) return s;
+  } catch (const nlohmann::json::exception& e) {
+    TS_CHECK(false, where, ": malformed zero section: ", e.what());
+  }
+  TS_CHECK(false, where, ": no model slice for pipeline stage ", pp, " and tensor-parallel rank ", tp,
+           ": the checkpoint's grid cannot map onto this job's");
+}
+
+ShardSource source_of(const Opened& o, const nlohmann::json& slice) {
   const std::string where = o.path + "/manifest.json";
   try {
     std::map<std::string, FileDigest> digests;
-    for (const auto& [name, f] : m.at("files").items())
+    for (const auto& [name, f] : o.manifest.at("files").items())
       digests[name] = {f.at("bytes").get<int64_t>(), f.at("crc32c").get<uint32_t>()};
-    return ShardSource(o.path, zero::PartitionLayout::from_json(m.at("zero").at("layout"), where),
-                       m.at("zero").at("files").get<std::vector<std::string>>(), std::move(digests));
+    return ShardSource(o.path, zero::PartitionLayout::from_json(slice.at("layout"), where),
+                       slice.at("files").get<std::vector<std::string>>(), std::move(digests));
   } catch (const nlohmann::json::exception& e) {
     TS_CHECK(false, where, ": malformed files or zero sections: ", e.what());
   }
 }
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> manifest_params(const Opened& o) {
+std::vector<std::pair<std::string, std::vector<int64_t>>> params_of(const Opened& o, const nlohmann::json& slice,
+                                                                    bool copies) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   try {
-    for (const auto& p : o.manifest.at("params"))
-      out.emplace_back(p.at("name").get<std::string>(), p.at("shape").get<std::vector<int64_t>>());
+    for (const auto& p : slice.at("params"))
+      if (copies || !p.value("copy", false))
+        out.emplace_back(p.at("name").get<std::string>(), p.at("shape").get<std::vector<int64_t>>());
   } catch (const nlohmann::json::exception& e) {
     TS_CHECK(false, o.path, "/manifest.json: malformed params: ", e.what());
+  }
+  return out;
+}
+}  // namespace
+
+ShardSource shard_source(const Opened& o, int pp, int tp) { return source_of(o, find_slice(o, pp, tp)); }
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> slice_params(const Opened& o, int pp, int tp) {
+  return params_of(o, find_slice(o, pp, tp), /*copies=*/true);
+}
+
+NamedTensors full_state(const Opened& o, const std::string& kind) {
+  NamedTensors out;
+  for (const auto& slice : o.manifest.at("zero").at("slices")) {
+    auto part = source_of(o, slice).full(params_of(o, slice, /*copies=*/false), kind);
+    for (auto& t : part) out.push_back(std::move(t));
   }
   return out;
 }

@@ -49,10 +49,13 @@ class ShardSource {
 };
 
 struct Opened;
-// The ShardSource of an opened checkpoint (its layout, shard files and checksums).
-ShardSource shard_source(const Opened& checkpoint);
-
-// The parameters a checkpoint's manifest lists, with their shapes, in model order.
-std::vector<std::pair<std::string, std::vector<int64_t>>> manifest_params(const Opened& checkpoint);
+// A checkpoint holds one slice of the model per (pipeline stage, tensor-parallel rank), each
+// with its own ZeRO layout over its data-parallel group. The ShardSource of one slice:
+ShardSource shard_source(const Opened& checkpoint, int pp, int tp);
+// That slice's parameters with their shapes, in model order (tied copies included).
+std::vector<std::pair<std::string, std::vector<int64_t>>> slice_params(const Opened& checkpoint, int pp, int tp);
+// Every parameter of the model whole, `kind` ("master", "exp_avg", ...), in model order, each
+// tied weight once (under its first stage's name).
+NamedTensors full_state(const Opened& checkpoint, const std::string& kind);
 
 }  // namespace torchspeed::checkpoint

@@ -166,21 +166,27 @@ void agree(comm::Communicator& comm, const std::string& what, const std::string&
   }
 }
 
-std::string save(comm::Communicator& comm, const SaveSpec& spec) {
-  const bool root = comm.rank() == 0;
-  const std::string what = concat("save_checkpoint('", spec.dir, "', tag '", spec.tag, "')");
-  std::string err = error_of([&] { check_tag(spec.tag); });
+void join_save(comm::Communicator& comm, const std::string& dir, const std::string& tag) {
+  const std::string what = concat("save_checkpoint('", dir, "', tag '", tag, "')");
+  std::string err = error_of([&] { check_tag(tag); });
   // 1. Same tag everywhere; this is also where a rank that never calls save is noticed.
   std::vector<std::string> tags;
   try {
-    tags = comm::all_gather_strings(comm, spec.tag);
+    tags = comm::all_gather_strings(comm, tag);
   } catch (const CommError& e) {
     throw CommError(concat(what, ": not every rank joined the save (save_checkpoint is collective: call it on ",
                            "every rank, at the same step, with the same tag): ", e.what()));
   }
   for (size_t r = 0; r < tags.size(); ++r)
-    if (err.empty() && tags[r] != spec.tag) err = concat("rank ", r, " saves tag '", tags[r], "'");
+    if (err.empty() && tags[r] != tag) err = concat("rank ", r, " saves tag '", tags[r], "'");
   agree(comm, what, err);
+}
+
+std::string save(comm::Communicator& comm, const SaveSpec& spec) {
+  const bool root = comm.rank() == 0;
+  const std::string what = concat("save_checkpoint('", spec.dir, "', tag '", spec.tag, "')");
+  if (!spec.joined) join_save(comm, spec.dir, spec.tag);
+  std::string err;
 
   // 2. The temporary folder.
   const fs::path dir(spec.dir), final_path = dir / spec.tag;

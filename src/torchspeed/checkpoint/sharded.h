@@ -27,7 +27,12 @@ struct SaveSpec {
   NamedTensors tensors;         // this rank's shard; empty writes no file
   std::string file;             // this rank's shard file name inside the tag folder
   nlohmann::json rank_state;    // this rank's entry of manifest["ranks"] (RNG, client state)
+  bool joined = false;          // join_save() already ran
 };
+
+// Step 1 of a save, for callers that exchange more before calling save(): every rank agrees on
+// the tag; a rank that never joins ends the others' wait with a CommError naming the cause.
+void join_save(comm::Communicator& comm, const std::string& dir, const std::string& tag);
 
 // Collective over `comm` (every rank, same tag). Returns DIR/TAG. A failure on any rank throws
 // the same error on every rank, naming the rank; nothing is published and DIR/latest and the

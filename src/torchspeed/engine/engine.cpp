@@ -305,6 +305,8 @@ EngineTimings Engine::timings() const {
   t.allgather_s = zero_->timings().allgather_s;
   t.buckets_launched_in_backward = zero_->timings().buckets_launched_in_backward;
   t.buckets_launched_after = zero_->timings().buckets_launched_after;
+  t.pipeline_busy_s = pipe_busy_s_;
+  t.pipeline_schedule_s = pipe_schedule_s_;
   return t;
 }
 

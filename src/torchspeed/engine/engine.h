@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "torchspeed/config/config.h"
 #include "torchspeed/nn/checkpoint.h"
@@ -28,6 +29,9 @@ namespace torchspeed {
 struct EngineTimings {
   double forward_s = 0, backward_s = 0, reduce_wait_s = 0, optimizer_s = 0, allgather_s = 0;
   int64_t buckets_launched_in_backward = 0, buckets_launched_after = 0;
+  // Pipeline stages: time in forward and backward instructions, and the schedule's wall time up
+  // to the gradient reductions; 1 - busy / schedule is the stage's bubble.
+  double pipeline_busy_s = 0, pipeline_schedule_s = 0;
 };
 
 // Where this rank's layers sit in a pipeline (built by initialize from a StackSpec).
@@ -64,14 +68,14 @@ class Engine {
   // The mean loss of gradient_accumulation_steps micro-batches, forward only.
   double eval_batch(const MicroBatchSource& next);
   // Any loader whose next() returns a batch with .inputs and .targets (data::TextLoader).
-  template <typename Loader>
+  template <typename Loader, typename = decltype(std::declval<Loader&>().next().inputs)>
   double train_batch(Loader& loader) {
     return train_batch(MicroBatchSource([&loader] {
       auto b = loader.next();
       return std::make_pair(b.inputs, b.targets);
     }));
   }
-  template <typename Loader>
+  template <typename Loader, typename = decltype(std::declval<Loader&>().next().inputs)>
   double eval_batch(Loader& loader) {
     return eval_batch(MicroBatchSource([&loader] {
       auto b = loader.next();
@@ -155,6 +159,7 @@ class Engine {
   int64_t micro_steps_ = 0, global_steps_ = 0, skipped_steps_ = 0;
   double grad_norm_ = 0.0;
   double forward_s_ = 0, backward_s_ = 0;
+  double pipe_busy_s_ = 0, pipe_schedule_s_ = 0;
   StagePlan plan_;
   std::vector<at::Tensor> tied_params_;  // plan_.ties' parameters
   std::vector<nn::Segment> segments_;    // activation checkpointing: a segment per interval

@@ -74,6 +74,8 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
   checkpoint::SaveSpec spec;
   spec.dir = dir;
   spec.tag = tag.empty() ? concat("global_step", global_steps_) : tag;
+  checkpoint::join_save(*checkpoint_comm_, spec.dir, spec.tag);
+  spec.joined = true;
   spec.keep_last = config_.checkpoint.keep_last;
   // Views of the live buffers where possible: the save completes before anything changes them.
   spec.tensors = zero_->export_partition(/*copy=*/false);
@@ -85,12 +87,31 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
   spec.file = shard_file(world_rank);
   spec.rank_state = {{"rank", world_rank}, {"dp_rank", groups_.dp->rank()}, {"rng_cpu", rng_state()},
                      {"client_state", client_state}};
-  if (checkpoint_comm_->rank() == 0) {
+  // This rank's model slice (its pipeline stage and tensor-parallel part): layout, shard files,
+  // parameters. Rank 0 collects every slice into the manifest.
+  nlohmann::json slice;
+  if (groups_.dp->rank() == 0) {
     nlohmann::json files = nlohmann::json::array();
     const auto& members = groups_.dp->world_ranks();
     for (size_t r = 0; r < members.size(); ++r) files.push_back(layout.stage == 0 && r > 0 ? "" : shard_file(members[r]));
     nlohmann::json params = nlohmann::json::array();
-    for (const auto& [name, shape] : zero_->param_shapes()) params.push_back({{"name", name}, {"shape", shape}});
+    for (const auto& [name, shape] : zero_->param_shapes()) {
+      nlohmann::json p = {{"name", name}, {"shape", shape}};
+      for (const auto& t : plan_.ties)
+        if (t.param == name && !t.owner) p["copy"] = true;  // a tied weight's later copy
+      params.push_back(p);
+    }
+    slice = {{"pp", groups_.coord.pp}, {"tp", groups_.coord.tp}, {"layout", layout.to_json()}, {"files", files},
+             {"params", params}};
+  }
+  const auto slices = comm::all_gather_strings(*checkpoint_comm_, slice.is_null() ? "" : slice.dump());
+  if (checkpoint_comm_->rank() == 0) {
+    nlohmann::json all = nlohmann::json::array(), params = nlohmann::json::array();
+    for (const auto& text : slices) {
+      if (text.empty()) continue;
+      all.push_back(nlohmann::json::parse(text));
+      for (const auto& p : all.back()["params"]) params.push_back(p);
+    }
     spec.manifest = {{"torchspeed_version", TORCHSPEED_VERSION},
                      {"config", config_.to_json()},
                      {"sections", config_.sections},
@@ -100,7 +121,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
                      {"global_step", global_steps_},
                      {"engine", state},
                      {"params", params},
-                     {"zero", {{"layout", layout.to_json()}, {"files", files}}}};
+                     {"zero", {{"slices", all}}}};
   }
   return checkpoint::save(*checkpoint_comm_, spec);
 }
@@ -120,8 +141,9 @@ std::optional<Engine::LoadedCheckpoint> Engine::load_checkpoint(const std::strin
     const std::string opt = m.value("optimizer", "");
     TS_CHECK(opt == config_.optimizer.type, where, ": saved with optimizer ", opt, ", this job uses ",
              config_.optimizer.type, "; their states differ");
+    const int pp = groups_.coord.pp, tp = groups_.coord.tp;
     std::map<std::string, std::vector<int64_t>> saved;
-    for (auto& [name, shape] : checkpoint::manifest_params(*opened)) saved[name] = std::move(shape);
+    for (auto& [name, shape] : checkpoint::slice_params(*opened, pp, tp)) saved[name] = std::move(shape);
     const auto mine = zero_->param_shapes();
     for (const auto& [name, shape] : mine) {
       const auto it = saved.find(name);
@@ -133,7 +155,7 @@ std::optional<Engine::LoadedCheckpoint> Engine::load_checkpoint(const std::strin
     }
     TS_CHECK(saved.empty(), where, ": the checkpoint's parameter '", saved.empty() ? "" : saved.begin()->first,
              "' is not in the model; it was written for a different model");
-    auto source = checkpoint::shard_source(*opened);
+    auto source = checkpoint::shard_source(*opened, pp, tp);
     std::vector<std::string> kinds{"master"};
     for (const auto& k : zero_->state_kinds()) kinds.push_back(k);
     tensors = source.partition(zero_->layout(), groups_.dp->rank(), kinds);

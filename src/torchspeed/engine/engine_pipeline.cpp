@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
+#include <chrono>
+
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/runtime/error.h"
 
@@ -127,7 +129,17 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
   double loss_sum = 0;
   const double scale = scaler_.scale() / static_cast<double>(M);
   auto t_start = std::chrono::steady_clock::now();
+  using Clock = std::chrono::steady_clock;
+  double busy = 0;
+  bool reducing = false;
   for (const auto& instruction : program) {
+    const bool compute = std::holds_alternative<pipeline::Forward>(instruction) ||
+                         std::holds_alternative<pipeline::Backward>(instruction);
+    if (!reducing && std::holds_alternative<pipeline::ReduceTiedGrads>(instruction)) {
+      reducing = true;
+      pipe_schedule_s_ += std::chrono::duration<double>(Clock::now() - t_start).count();
+    }
+    const auto t_ins = Clock::now();
     std::visit(
         [&](const auto& ins) {
           using T = std::decay_t<decltype(ins)>;
@@ -184,7 +196,10 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
           }
         },
         instruction);
+    if (compute) busy += std::chrono::duration<double>(Clock::now() - t_ins).count();
   }
+  pipe_busy_s_ += busy;
+  if (!reducing) pipe_schedule_s_ += std::chrono::duration<double>(Clock::now() - t_start).count();
   for (auto& [work, tensor] : sends) work->wait();
   if (train) backward_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   // The loss lives on the last stage; every stage reports it.
