@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "torchspeed/pipeline/partition.h"
+#include "torchspeed/tensor_parallel/layers.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 
@@ -75,14 +76,15 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
            ": pipeline parallelism combines with ZeRO stages 0 and 1 (as in DeepSpeed)");
   TS_CHECK(c.pipeline.activation_checkpoint_interval == 0 || c.zero.stage < 3,
            "pipeline.activation_checkpoint_interval with ZeRO stage 3 is not available; use stage 0-2");
-  TS_CHECK(c.tp == 1, "tensor_parallel.tp_size ", c.tp, ": tensor parallelism is not available in this engine yet");
+  TS_CHECK(c.tp == 1 || c.zero.stage <= 2, "tensor_parallel.tp_size ", c.tp, " with zero_optimization.stage ",
+           c.zero.stage, ": tensor parallelism combines with ZeRO stages 0-2");
   TS_CHECK(!c.zero.offload_optimizer.enabled() && !c.zero.offload_param.enabled(),
            "zero_optimization.offload_optimizer/offload_param: offload is not available yet; "
            "remove the offload settings (or the deprecated cpu_offload key)");
 }
 
 std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Module>& root,
-                                             nn::LayerStack stack, const StagePlan& plan) {
+                                             nn::LayerStack stack, const StagePlan& plan, int tp_rank) {
   std::vector<zero::NamedParam> out;
   std::unordered_map<const void*, size_t> seen;  // tied parameters appear once, where first used
   auto add = [&](const std::string& name, const at::Tensor& p, int layer) {
@@ -96,6 +98,8 @@ std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Mo
     bool counted = true;
     for (const auto& t : plan.ties)
       if (t.param == name && !t.owner) counted = false;
+    // A parameter every tensor-parallel rank holds whole counts once in the norm.
+    if (tp_rank > 0 && !tensor_parallel::split_of(p)) counted = false;
     out.push_back({name, p, layer, {}, counted});
   };
   if (stack) {
@@ -158,12 +162,12 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
       .communication_dtype(comm_dtype_of(config_))
       .gradient_predivide_factor(config_.gradient_predivide_factor)
       .prescale_gradients(config_.prescale_gradients)
-      .norm_group(plan_.stages > 1 ? groups_.pp : nullptr);
+      .norm_group(plan_.stages > 1 || config_.tp > 1 ? groups_.mp : nullptr);
   // Pipeline stages reduce after the tied weights' gradients are summed (ReduceTiedGrads), so
   // buckets cannot start during the boundary backward.
   if (plan_.stages > 1) zo.overlap_comm(false);
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
-  zero_ = std::make_unique<zero::ZeroOptimizer>(collect_params(root_, stack_, plan_), layers, groups_.dp,
+  zero_ = std::make_unique<zero::ZeroOptimizer>(collect_params(root_, stack_, plan_, groups_.tp->rank()), layers, groups_.dp,
                                                 zo, optimizer_of(config_));
   // Tied parameters are views into the optimizer's buffers now.
   for (size_t i = 0; i < tied_params_.size(); ++i) {

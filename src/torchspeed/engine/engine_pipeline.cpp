@@ -20,6 +20,7 @@
 
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/tensor_parallel/layers.h"
 
 namespace torchspeed {
 namespace {
@@ -210,6 +211,22 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::master_params() {
   auto local = zero_->gather_master();  // collective over the data-parallel group
+  if (config_.tp > 1) {  // whole tensors from the tensor-parallel slices
+    const auto named = root_->named_parameters(/*recurse=*/true);
+    for (auto& [name, t] : local) {
+      const at::Tensor* p = named.find(name);
+      const auto split = p ? tensor_parallel::split_of(*p) : std::nullopt;
+      if (!split) continue;
+      at::Tensor all = at::empty({groups_.tp->size() * t.numel()}, at::kFloat);
+      groups_.tp->all_gather(t.contiguous().view({-1}), all);
+      t = tensor_parallel::merge(all.view([&] {
+                                      std::vector<int64_t> s{groups_.tp->size()};
+                                      for (int64_t d : t.sizes()) s.push_back(d);
+                                      return s;
+                                    }()).unbind(0),
+                                  *split);
+    }
+  }
   if (plan_.stages == 1) return local;
   // Copies of tied weights on later stages are left out: the first stage's name holds them.
   std::vector<std::pair<std::string, at::Tensor>> mine;

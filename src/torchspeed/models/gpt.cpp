@@ -121,31 +121,118 @@ GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) {
 
 at::Tensor GPTHeadImpl::forward(const at::Tensor& x) { return at::matmul(ln_f(x), weight.t()); }
 
-nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed) {
+namespace {
+torch::nn::LayerNorm copy_norm(const torch::nn::LayerNorm& src) {
+  torch::nn::LayerNorm n(torch::nn::LayerNormOptions(src->options.normalized_shape()));
+  at::NoGradGuard g;
+  n->weight.copy_(src->weight);
+  n->bias.copy_(src->bias);
+  return n;
+}
+}  // namespace
+
+GPTEmbeddingTPImpl::GPTEmbeddingTPImpl(const GPTEmbedding& dense, const comm::CommunicatorPtr& tp) {
+  tok = register_module("tok", tensor_parallel::VocabParallelEmbedding(dense->tok->weight, tp));
+  pos = register_module("pos", torch::nn::Embedding(dense->pos->weight.size(0), dense->pos->weight.size(1)));
+  drop = register_module("drop", torch::nn::Dropout(dense->drop->options.p()));
+  at::NoGradGuard g;
+  pos->weight.copy_(dense->pos->weight);
+}
+
+at::Tensor GPTEmbeddingTPImpl::forward(const at::Tensor& tokens) {
+  TS_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
+           "GPT input must be int64 token ids [batch, time], got ", tokens.scalar_type(), " ", tokens.sizes());
+  at::Tensor positions = at::arange(tokens.size(1), tokens.options());
+  return drop(tok(tokens) + pos(positions).unsqueeze(0));
+}
+
+GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPtr& tp) {
+  TS_CHECK(dense->n_head % tp->size() == 0, "model.n_head ", dense->n_head, " does not divide by tensor_parallel.tp_size ",
+           tp->size());
+  local_heads = dense->n_head / tp->size();
+  // Registered in the dense block's order, so parameters line up with the dense model's.
+  ln1 = register_module("ln1", copy_norm(dense->ln1));
+  // qkv rows are [q heads | k heads | v heads]: each third is split by heads (chunks = 3).
+  qkv = register_module("qkv", tensor_parallel::ColumnParallelLinear(dense->qkv->weight, dense->qkv->bias, tp, false, 3));
+  attn_proj = register_module("attn_proj", tensor_parallel::RowParallelLinear(dense->attn_proj->weight, dense->attn_proj->bias, tp));
+  ln2 = register_module("ln2", copy_norm(dense->ln2));
+  fc = register_module("fc", tensor_parallel::ColumnParallelLinear(dense->fc->weight, dense->fc->bias, tp));
+  mlp_proj = register_module("mlp_proj", tensor_parallel::RowParallelLinear(dense->mlp_proj->weight, dense->mlp_proj->bias, tp));
+  drop = register_module("drop", torch::nn::Dropout(dense->drop->options.p()));
+}
+
+at::Tensor GPTBlockTPImpl::forward(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1);
+  at::Tensor h = ln1(x);
+  at::Tensor q3 = qkv(h);  // [B, T, 3 * local_heads * hd]
+  const int64_t hd = q3.size(2) / (3 * local_heads);
+  auto parts = q3.view({B, T, 3, local_heads, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+  at::Tensor att = at::matmul(parts[0], parts[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  at::Tensor causal = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+  att = att.masked_fill(causal, -std::numeric_limits<float>::infinity()).softmax(-1);
+  at::Tensor y = at::matmul(drop(att), parts[2]).transpose(1, 2).reshape({B, T, local_heads * hd});
+  h = x + drop(attn_proj(y));
+  return h + drop(mlp_proj(torch::nn::functional::gelu(fc(ln2(h)))));
+}
+
+GPTHeadTPImpl::GPTHeadTPImpl(const GPTHead& dense, const at::Tensor& tied, const comm::CommunicatorPtr& tp_) : tp(tp_) {
+  ln_f = register_module("ln_f", copy_norm(dense->ln_f));
+  if (tied.defined()) {
+    weight = register_parameter("weight", tied);
+  } else {
+    weight = register_parameter("weight", tensor_parallel::slice(dense->weight.detach(), {0, 1}, tp->rank(), tp->size()));
+    tensor_parallel::mark_split(weight, {0, 1});
+  }
+}
+
+at::Tensor GPTHeadTPImpl::forward(const at::Tensor& x) {
+  return at::matmul(tensor_parallel::copy_to_region(ln_f(x), tp), weight.t());
+}
+
+nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr tp) {
   nn::StackSpec spec;
   spec.seed = seed;
+  const bool parallel = tp && tp->size() > 1;
   const int64_t d = c.d_model;
   const int64_t block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
-  nn::LayerSpec embed{"embed", [c](const nn::TiedTensors&) { return torch::nn::AnyModule(GPTEmbedding(c)); },
+  // The tensor-parallel layers are built from the dense ones (a transient full layer), so every
+  // rank slices the same weights the dense model has.
+  nn::LayerSpec embed{"embed",
+                      [c, tp, parallel](const nn::TiedTensors&) {
+                        GPTEmbedding dense(c);
+                        return parallel ? torch::nn::AnyModule(GPTEmbeddingTP(dense, tp)) : torch::nn::AnyModule(dense);
+                      },
                       c.vocab * d + c.seq_len * d, {}};
   if (c.tie_embeddings) embed.ties = {{"tok.weight", "wte"}};
   spec.layers.push_back(embed);
   for (int64_t i = 0; i < c.n_layer; ++i) {
     spec.layers.push_back({"block" + std::to_string(i),
-                           [c](const nn::TiedTensors&) { return torch::nn::AnyModule(GPTBlock(c)); }, block, {}});
+                           [c, tp, parallel](const nn::TiedTensors&) {
+                             GPTBlock dense(c);
+                             return parallel ? torch::nn::AnyModule(GPTBlockTP(dense, tp)) : torch::nn::AnyModule(dense);
+                           },
+                           block, {}});
   }
   nn::LayerSpec head{"head",
-                     [c](const nn::TiedTensors& tied) {
+                     [c, tp, parallel](const nn::TiedTensors& tied) {
                        const auto it = tied.find("wte");
-                       return torch::nn::AnyModule(GPTHead(c, c.tie_embeddings && it != tied.end() ? it->second : at::Tensor()));
+                       const at::Tensor t = c.tie_embeddings && it != tied.end() ? it->second : at::Tensor();
+                       if (!parallel) return torch::nn::AnyModule(GPTHead(c, t));
+                       return torch::nn::AnyModule(GPTHeadTP(GPTHead(c, at::Tensor()), t, tp));
                      },
                      2 * d + c.vocab * d, {}};
   if (c.tie_embeddings) head.ties = {{"weight", "wte"}};
   spec.layers.push_back(head);
   const int64_t vocab = c.vocab;
-  spec.loss = [vocab](const at::Tensor& logits, const at::Tensor& targets) {
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
-  };
+  if (parallel) {
+    spec.loss = [tp](const at::Tensor& logits, const at::Tensor& targets) {
+      return tensor_parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), tp);
+    };
+  } else {
+    spec.loss = [vocab](const at::Tensor& logits, const at::Tensor& targets) {
+      return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
+    };
+  }
   return spec;
 }
 

@@ -11,7 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "torchspeed/comm/communicator.h"
 #include "torchspeed/nn/layer_spec.h"
+#include "torchspeed/tensor_parallel/layers.h"
 #include "torchspeed/nn/layer_stack.h"
 
 namespace torchspeed::models {
@@ -67,9 +69,47 @@ class GPTHeadImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPTHead);
 
+// Tensor-parallel forms, each built from the dense layer (its weights sliced).
+class GPTEmbeddingTPImpl : public torch::nn::Module {
+ public:
+  GPTEmbeddingTPImpl(const GPTEmbedding& dense, const comm::CommunicatorPtr& tp);
+  at::Tensor forward(const at::Tensor& tokens);
+  tensor_parallel::VocabParallelEmbedding tok{nullptr};
+  torch::nn::Embedding pos{nullptr};  // replicated
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(GPTEmbeddingTP);
+
+class GPTBlockTPImpl : public torch::nn::Module {
+ public:
+  GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPtr& tp);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};  // replicated
+  tensor_parallel::ColumnParallelLinear qkv{nullptr}, fc{nullptr};
+  tensor_parallel::RowParallelLinear attn_proj{nullptr}, mlp_proj{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  int64_t local_heads;
+};
+TORCH_MODULE(GPTBlockTP);
+
+class GPTHeadTPImpl : public torch::nn::Module {
+ public:
+  // `tied`: the vocabulary-parallel embedding's weight slice, or undefined.
+  GPTHeadTPImpl(const GPTHead& dense, const at::Tensor& tied, const comm::CommunicatorPtr& tp);
+  at::Tensor forward(const at::Tensor& x);  // -> this rank's logits [B, T, vocab/tp]
+  torch::nn::LayerNorm ln_f{nullptr};
+  at::Tensor weight;  // [vocab/tp, d]
+  comm::CommunicatorPtr tp;
+};
+TORCH_MODULE(GPTHeadTP);
+
 // The stack as a spec (layer i initialised from seed + i; the head tied to the token embedding
 // by the key "wte"): what a pipeline stage builds its own layers from.
-nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed);
+// With `tp` (a tensor-parallel group of size > 1) the layers are Megatron-style: attention heads
+// and the MLP split column- then row-parallel, a vocabulary-parallel embedding and LM head and
+// a vocabulary-parallel loss; each rank holds its slice of the dense layer's weights (same
+// names), so the model equals the dense one built from the same seed.
+nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed, comm::CommunicatorPtr tp = nullptr);
 // Builds the whole stack, seeded from the seed last given to torch::manual_seed.
 nn::LayerStack make_gpt(const GPTConfig& config);
 

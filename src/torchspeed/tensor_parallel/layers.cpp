@@ -1,0 +1,208 @@
+// Tensor-parallel layers and the autograd functions at their region boundaries.
+#include "torchspeed/tensor_parallel/layers.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::tensor_parallel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The communicator travels through autograd as its address; the layer (or caller) owns it.
+comm::Communicator& comm_of(AutogradContext* ctx) {
+  return *reinterpret_cast<comm::Communicator*>(ctx->saved_data["tp"].toInt());
+}
+int64_t addr(const comm::CommunicatorPtr& c) { return reinterpret_cast<int64_t>(c.get()); }
+
+at::Tensor all_reduced(const at::Tensor& x, comm::Communicator& c) {
+  at::Tensor y = x.contiguous().clone();
+  c.all_reduce(y);
+  return y;
+}
+
+struct CopyToRegion : public torch::autograd::Function<CopyToRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
+    ctx->saved_data["tp"] = tp;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) { return {all_reduced(g[0], comm_of(ctx)), at::Tensor()}; }
+};
+
+struct ReduceFromRegion : public torch::autograd::Function<ReduceFromRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
+    return all_reduced(x, *reinterpret_cast<comm::Communicator*>(tp));
+  }
+  static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
+};
+
+struct GatherFromRegion : public torch::autograd::Function<GatherFromRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
+    ctx->saved_data["tp"] = tp;
+    auto& c = *reinterpret_cast<comm::Communicator*>(tp);
+    const int n = c.size();
+    at::Tensor all = at::empty({n * x.numel()}, x.options());
+    c.all_gather(x.contiguous().view({-1}), all);
+    // [n, ...x] -> concatenated on the last dimension
+    std::vector<int64_t> shape{n};
+    for (int64_t s : x.sizes()) shape.push_back(s);
+    return at::cat(all.view(shape).unbind(0), -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto& c = comm_of(ctx);
+    return {g[0].chunk(c.size(), -1)[static_cast<size_t>(c.rank())].contiguous(), at::Tensor()};
+  }
+};
+
+struct VocabParallelCE : public torch::autograd::Function<VocabParallelCE> {
+  // logits [N, V/tp], targets [N] int64.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t tp) {
+    auto& c = *reinterpret_cast<comm::Communicator*>(tp);
+    const int64_t part = logits.size(1), begin = c.rank() * part;
+    at::Tensor lf = logits.to(at::kFloat);
+    at::Tensor m = std::get<0>(lf.max(1)).contiguous();
+    c.all_reduce(m, comm::ReduceOp::kMax);
+    at::Tensor shifted = lf - m.unsqueeze(1);
+    at::Tensor e = shifted.exp();
+    at::Tensor sum = e.sum(1).contiguous();
+    c.all_reduce(sum);
+    at::Tensor outside = (targets < begin).logical_or(targets >= begin + part);
+    at::Tensor local = (targets - begin).clamp(0, part - 1);
+    at::Tensor target_logit = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0).contiguous();
+    c.all_reduce(target_logit);
+    at::Tensor loss = (sum.log() - target_logit).mean();
+    ctx->saved_data["tp"] = tp;
+    ctx->save_for_backward({e / sum.unsqueeze(1), local, outside});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].clone();  // softmax
+    const at::Tensor& local = saved[1];
+    at::Tensor inside = saved[2].logical_not().to(at::kFloat);
+    grad.scatter_add_(1, local.unsqueeze(1), -inside.unsqueeze(1));
+    grad.mul_(g[0] / static_cast<double>(grad.size(0)));
+    return {grad.to(static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt())), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Split parameters by TensorImpl. A weak reference per entry keeps a dead tensor's address from
+// being reused by a new tensor while its entry exists; dead entries are pruned on insertion.
+struct Entry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> tensor;
+  Split split;
+};
+std::mutex g_mu;
+std::unordered_map<const void*, Entry>& registry() {
+  static auto* r = new std::unordered_map<const void*, Entry>();
+  return *r;
+}
+
+void check_divisible(int64_t n, int size, const char* what) {
+  TS_CHECK(n % size == 0, what, " of ", n, " does not divide by the tensor-parallel size ", size);
+}
+
+}  // namespace
+
+at::Tensor copy_to_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
+  return tp->size() == 1 ? x : CopyToRegion::apply(x, addr(tp));
+}
+at::Tensor reduce_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
+  return tp->size() == 1 ? x : ReduceFromRegion::apply(x, addr(tp));
+}
+at::Tensor gather_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
+  return tp->size() == 1 ? x : GatherFromRegion::apply(x, addr(tp));
+}
+
+void mark_split(const at::Tensor& param, Split split) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& r = registry();
+  for (auto it = r.begin(); it != r.end();) it = it->second.tensor.expired() ? r.erase(it) : std::next(it);
+  r.insert_or_assign(param.unsafeGetTensorImpl(), Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), split});
+}
+
+std::optional<Split> split_of(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = registry().find(param.unsafeGetTensorImpl());
+  if (it == registry().end() || it->second.tensor.expired()) return std::nullopt;
+  return it->second.split;
+}
+
+at::Tensor slice(const at::Tensor& full, Split split, int rank, int size) {
+  std::vector<at::Tensor> parts;
+  for (const auto& chunk : full.chunk(split.chunks, split.dim)) {
+    check_divisible(chunk.size(split.dim), size, "a split dimension");
+    parts.push_back(chunk.chunk(size, split.dim)[static_cast<size_t>(rank)]);
+  }
+  return at::cat(parts, split.dim).contiguous();
+}
+
+at::Tensor merge(const std::vector<at::Tensor>& parts, Split split) {
+  std::vector<at::Tensor> chunks;
+  for (int c = 0; c < split.chunks; ++c) {
+    for (const auto& p : parts) chunks.push_back(p.chunk(split.chunks, split.dim)[static_cast<size_t>(c)]);
+  }
+  return at::cat(chunks, split.dim).contiguous();
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const at::Tensor& w, const at::Tensor& b, comm::CommunicatorPtr tp,
+                                                   bool gather_output, int chunks)
+    : tp_(std::move(tp)), gather_(gather_output) {
+  check_divisible(w.size(0) / chunks, tp_->size(), "ColumnParallelLinear: output features");
+  const Split split{0, chunks};
+  weight = register_parameter("weight", slice(w.detach(), split, tp_->rank(), tp_->size()));
+  mark_split(weight, split);
+  if (b.defined()) {
+    bias = register_parameter("bias", slice(b.detach(), split, tp_->rank(), tp_->size()));
+    mark_split(bias, split);
+  }
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y = at::linear(copy_to_region(x, tp_), weight, bias);
+  return gather_ ? gather_from_region(y, tp_) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const at::Tensor& w, const at::Tensor& b, comm::CommunicatorPtr tp)
+    : tp_(std::move(tp)) {
+  check_divisible(w.size(1), tp_->size(), "RowParallelLinear: input features");
+  weight = register_parameter("weight", slice(w.detach(), {1, 1}, tp_->rank(), tp_->size()));
+  mark_split(weight, {1, 1});
+  if (b.defined()) bias = register_parameter("bias", b.detach().clone());
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y = reduce_from_region(at::linear(x, weight), tp_);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const at::Tensor& w, comm::CommunicatorPtr tp)
+    : tp_(std::move(tp)) {
+  check_divisible(w.size(0), tp_->size(), "VocabParallelEmbedding: vocabulary");
+  weight = register_parameter("weight", slice(w.detach(), {0, 1}, tp_->rank(), tp_->size()));
+  mark_split(weight, {0, 1});
+  begin_ = tp_->rank() * weight.size(0);
+  end_ = begin_ + weight.size(0);
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& tokens) {
+  if (tp_->size() == 1) return at::embedding(weight, tokens);
+  at::Tensor outside = (tokens < begin_).logical_or(tokens >= end_);
+  at::Tensor out = at::embedding(weight, (tokens - begin_).masked_fill(outside, 0));
+  out = out.masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_region(out, tp_);
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        const comm::CommunicatorPtr& tp) {
+  return VocabParallelCE::apply(logits, targets, addr(tp));
+}
+
+}  // namespace torchspeed::tensor_parallel
