@@ -3,7 +3,7 @@
 // checkpoint first and saving at a step, and writes what the tests compare: the dp-mean loss of
 // every step as exact hex floats, and the final fp32 master weights as safetensors.
 //
-//   checkpoint_driver --stage S --precision fp32|bf16|fp16 --steps N [--gas G] [--dropout P] [--d-model D] [--pp P]
+//   checkpoint_driver --stage S --precision fp32|bf16|fp16 --steps N [--gas G] [--dropout P] [--d-model D] [--pp P] [--tp T]
 //       [--load DIR | --try-load DIR] [--save DIR (--save-at K | --save-every K) [--stop-after-save]]
 //       [--keep-last K]
 //       [--fault kill:R|fail:R] [--only-rank0-saves] [--comm-timeout S] --out PREFIX
@@ -27,7 +27,7 @@ using namespace torchspeed;
 namespace {
 
 struct Args {
-  int stage = 0, steps = 4, gas = 2, save_at = -1, save_every = 0, keep_last = 0, d_model = 32, pp = 1;
+  int stage = 0, steps = 4, gas = 2, save_at = -1, save_every = 0, keep_last = 0, d_model = 32, pp = 1, tp = 1;
   double dropout = 0.1, comm_timeout = 600;
   std::string precision = "fp32", load, try_load, save, fault, out, compare_a, compare_b;
   bool stop_after_save = false, only_rank0_saves = false;
@@ -50,6 +50,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--gas") a.gas = std::stoi(v());
     else if (k == "--d-model") a.d_model = std::stoi(v());
     else if (k == "--pp") a.pp = std::stoi(v());
+    else if (k == "--tp") a.tp = std::stoi(v());
     else if (k == "--dropout") a.dropout = std::stod(v());
     else if (k == "--load") a.load = v();
     else if (k == "--save") a.save = v();
@@ -108,7 +109,7 @@ int compare(const std::string& a, const std::string& b) {
 
 int run(const Args& a, const Runtime& rt) {
   const int world = rt.world_size;
-  const int dp_size = world / a.pp;
+  const int dp_size = world / (a.pp * a.tp);
   const int micro = 8 / (a.gas * dp_size) > 0 ? 8 / (a.gas * dp_size) : 1;  // global batch 8
   nlohmann::json j = {
       {"train_micro_batch_size_per_gpu", micro},
@@ -121,6 +122,7 @@ int run(const Args& a, const Runtime& rt) {
       {"zero_optimization", {{"stage", a.stage}, {"reduce_bucket_size", 3000}, {"stage3_param_persistence_threshold", 0}}},
       {"checkpoint", {{"keep_last", a.keep_last}}},
       {"pipeline", {{"stages", a.pp}}},
+      {"tensor_parallel", {{"tp_size", a.tp}}},
       {"torchspeed", {{"comm_timeout_s", a.comm_timeout}}}};
   config::WorldShape shape;
   shape.world_size = world;
@@ -132,13 +134,16 @@ int run(const Args& a, const Runtime& rt) {
   g.n_layer = 2;
   g.n_head = 2;
   g.dropout = a.dropout;
-  auto engine = initialize(rt, models::gpt_spec(g, 7), cfg);
+  auto groups = make_groups(rt, cfg);
+  auto engine = initialize(groups, models::gpt_spec(g, 7, groups.tp), cfg);
   // Deterministic text: a few thousand bytes of a repeating pattern with variation.
   std::vector<uint8_t> tokens(6000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint8_t>(97 + (i * i / 7 + i / 13) % 26);
   const auto& dp = engine->groups().dp;
   data::TextLoader loader(tokens, g.seq_len, micro, dp->rank(), dp->size(), 11);
-  torch::manual_seed(100 + rt.rank);  // dropout streams differ per rank, as in real training
+  // Dropout streams differ per data-parallel rank and agree across a tensor-parallel group (its
+  // ranks hold the same replicated activations); tp is the fastest-varying grid dimension.
+  torch::manual_seed(100 + rt.rank / a.tp);
 
   if (!a.load.empty()) {
     auto loaded = engine->load_checkpoint(a.load);

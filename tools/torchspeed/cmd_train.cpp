@@ -180,7 +180,9 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     const double bigram = corpus.bigram_entropy();
     torch::manual_seed(static_cast<uint64_t>(cfg.seed));
     // From the spec: with pipeline.stages > 1 each rank builds only its stage's layers.
-    auto engine = initialize(rt, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed)), cfg);
+    // With tensor_parallel.tp_size > 1 the layers split over the grid's tensor-parallel group.
+    auto groups = make_groups(rt, cfg);
+    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp), cfg);
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
     data::TextLoader loader(corpus.train, gpt.seq_len, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));
@@ -194,8 +196,8 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       std::printf("torchspeed train: GPT %ld layers, d_model %ld, %ld heads, seq %ld: %.2fM parameters\n",
                   static_cast<long>(gpt.n_layer), static_cast<long>(gpt.d_model), static_cast<long>(gpt.n_head),
                   static_cast<long>(gpt.seq_len), gpt.num_params() / 1e6);
-      std::printf("  %d ranks (dp %d x pp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp\n",
-                  rt.world_size, dp->size(), cfg.pp, cfg.zero.stage,
+      std::printf("  %d ranks (dp %d x pp %d x tp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp\n",
+                  rt.world_size, dp->size(), cfg.pp, cfg.tp, cfg.zero.stage,
                   precision::precision_name(engine->precision()), static_cast<long>(cfg.train_batch_size),
                   static_cast<long>(micro), static_cast<long>(cfg.gradient_accumulation_steps), dp->size());
       std::printf("  data: %s, %zu files, %.2f MB train / %.2f MB validation\n", ds.path.c_str(),

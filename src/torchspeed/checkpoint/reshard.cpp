@@ -8,6 +8,7 @@
 
 #include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/tensor_parallel/layers.h"
 
 namespace torchspeed::checkpoint {
 
@@ -139,10 +140,32 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> slice_params(const Ope
 }
 
 NamedTensors full_state(const Opened& o, const std::string& kind) {
+  // Slices by pipeline stage, then tensor-parallel rank.
+  std::map<int, std::map<int, const nlohmann::json*>> grid;
+  for (const auto& slice : o.manifest.at("zero").at("slices")) grid[slice.at("pp").get<int>()][slice.at("tp").get<int>()] = &slice;
   NamedTensors out;
-  for (const auto& slice : o.manifest.at("zero").at("slices")) {
-    auto part = source_of(o, slice).full(params_of(o, slice, /*copies=*/false), kind);
-    for (auto& t : part) out.push_back(std::move(t));
+  for (const auto& [pp, by_tp] : grid) {
+    std::vector<NamedTensors> parts;  // per tp rank, the slice's parameters
+    for (const auto& [tp, slice] : by_tp) parts.push_back(source_of(o, *slice).full(params_of(o, *slice, false), kind));
+    const auto& first = *by_tp.begin()->second;
+    size_t i = 0;
+    for (const auto& p : first.at("params")) {
+      if (p.value("copy", false)) continue;
+      const std::string name = p.at("name").get<std::string>();
+      if (p.contains("tp_split") && parts.size() > 1) {
+        std::vector<at::Tensor> pieces;
+        for (auto& part : parts) {
+          TS_CHECK(i < part.size() && part[i].first == name, o.path, "/manifest.json: tensor-parallel slices of stage ", pp,
+                   " list different parameters");
+          pieces.push_back(part[i].second);
+        }
+        const tensor_parallel::Split split{p.at("tp_split").at(0).get<int>(), p.at("tp_split").at(1).get<int>()};
+        out.emplace_back(name, tensor_parallel::merge(pieces, split));
+      } else {
+        out.emplace_back(name, parts[0][i].second);  // replicated: every tp rank holds the same
+      }
+      ++i;
+    }
   }
   return out;
 }

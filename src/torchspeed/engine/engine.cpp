@@ -2,11 +2,13 @@
 #include "torchspeed/engine/engine.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <unordered_map>
 
 #include "torchspeed/pipeline/partition.h"
@@ -136,6 +138,19 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
            "pipeline.activation_checkpoint_interval needs a LayerStack model");
   make_checkpoint_comm();
   pipe_schedule_ = pipeline::schedule_kind(config_.pipeline.schedule);
+  // Tensor-parallel ranks hold the same replicated activations: their dropout masks must agree,
+  // so they share tp rank 0's RNG state (reseed them alike afterwards, e.g. by data-parallel rank).
+  if (groups_.tp && groups_.tp->size() > 1) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state().contiguous();
+    }
+    groups_.tp->broadcast(state, 0);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
   // Tied weights start from their first stage's value (before the optimizer copies them).
   if (stack_) {
     const auto named = stack_->named_parameters(/*recurse=*/true);

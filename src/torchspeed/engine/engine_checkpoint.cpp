@@ -14,6 +14,7 @@
 #include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/tensor_parallel/layers.h"
 
 #ifndef TORCHSPEED_VERSION
 #define TORCHSPEED_VERSION "unknown"
@@ -95,10 +96,15 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
     const auto& members = groups_.dp->world_ranks();
     for (size_t r = 0; r < members.size(); ++r) files.push_back(layout.stage == 0 && r > 0 ? "" : shard_file(members[r]));
     nlohmann::json params = nlohmann::json::array();
+    const auto named = root_->named_parameters(/*recurse=*/true);
     for (const auto& [name, shape] : zero_->param_shapes()) {
       nlohmann::json p = {{"name", name}, {"shape", shape}};
       for (const auto& t : plan_.ties)
         if (t.param == name && !t.owner) p["copy"] = true;  // a tied weight's later copy
+      // How tensor-parallel slices join into the whole parameter.
+      if (const at::Tensor* param = named.find(name)) {
+        if (const auto split = tensor_parallel::split_of(*param)) p["tp_split"] = {split->dim, split->chunks};
+      }
       params.push_back(p);
     }
     slice = {{"pp", groups_.coord.pp}, {"tp", groups_.coord.tp}, {"layout", layout.to_json()}, {"files", files},
