@@ -55,6 +55,7 @@ int run_memory(const BenchArgs& args);
 int run_overlap(const BenchArgs& args);
 int run_checkpoint(const BenchArgs& args);
 int run_pipeline(const BenchArgs& args);
+int run_tp(const BenchArgs& args);
 // `self`: this executable, to launch the 2-rank engine part (run_train_engine_part) with.
 int run_train(const BenchArgs& args, const std::string& self);
 int run_train_engine_part(const BenchArgs& args);
