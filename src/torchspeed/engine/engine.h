@@ -166,6 +166,7 @@ class Engine {
   pipeline::ScheduleKind pipe_schedule_ = pipeline::ScheduleKind::k1F1B;
   std::vector<int64_t> act_shape_sent_, act_shape_recv_;  // exchanged once (see engine_pipeline.cpp)
   at::ScalarType act_dtype_recv_ = at::kFloat;
+  std::vector<at::Tensor> act_pool_, grad_pool_;  // free receive buffers (Note [Pipeline executor])
 };
 
 // From a spec: with pipeline.stages > 1 each rank builds only its stage's layers (partitioned by

@@ -7,7 +7,9 @@
 //   (gradient), so each message pairs with exactly its instruction on the neighbour.
 // - The activation's shape and dtype are sent once, before the first activation; every later
 //   micro-batch must have the same shape (as in DeepSpeed). Gradients have their activation's
-//   shape, which the receiving stage knows.
+//   shape, which the receiving stage knows. Receive buffers are reused: an activation buffer
+//   once its gradient has been sent back, a gradient buffer once its backward has run, so a
+//   stage allocates only as many as it holds at once (1F1B: stages - stage).
 // - The last micro-batch's backward is the accumulation boundary: ZeRO's reduction is deferred
 //   to ReduceGrads, after ReduceTiedGrads has summed the tied weights' gradients across the
 //   stages holding them (embedding and LM head), so both copies take identical steps.
@@ -107,7 +109,13 @@ at::Tensor Engine::recv_activation(int mb) {
     act_dtype_recv_ = dtype_of(static_cast<int>(meta[0].item<int64_t>()));
     for (int64_t d = 0; d < meta[1].item<int64_t>(); ++d) act_shape_recv_.push_back(meta[2 + d].item<int64_t>());
   }
-  at::Tensor a = at::empty(act_shape_recv_, at::TensorOptions().dtype(act_dtype_recv_));
+  at::Tensor a;
+  if (!act_pool_.empty()) {  // a buffer of an earlier micro-batch whose gradient has gone back
+    a = std::move(act_pool_.back());
+    act_pool_.pop_back();
+  } else {
+    a = at::empty(act_shape_recv_, at::TensorOptions().dtype(act_dtype_recv_));
+  }
   groups_.pp->recv(a, groups_.prev_stage, 2 * mb);
   return a;
 }
@@ -126,6 +134,7 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
     }
   }
   std::vector<at::Tensor> inputs(M), outputs(M), targets(M), grads(M);
+  std::vector<at::Tensor> received(M);  // receive buffers (pooled across micro-batches and batches)
   std::vector<std::pair<comm::WorkPtr, at::Tensor>> sends;  // kept alive until completed
   double loss_sum = 0;
   const double scale = scaler_.scale() / static_cast<double>(M);
@@ -149,7 +158,8 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
             if (first) inputs[ins.mb] = x.is_floating_point() ? x.to(compute_dtype()) : x;
             if (last) targets[ins.mb] = y;
           } else if constexpr (std::is_same_v<T, pipeline::RecvActivation>) {
-            inputs[ins.mb] = recv_activation(ins.mb);
+            received[ins.mb] = recv_activation(ins.mb);
+            inputs[ins.mb] = received[ins.mb].detach();  // autograd sees an alias; the buffer returns to the pool
             if (train) inputs[ins.mb].requires_grad_(true);
           } else if constexpr (std::is_same_v<T, pipeline::Forward>) {
             at::Tensor out = run(inputs[ins.mb]);
@@ -158,11 +168,21 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
               loss_sum += out.template item<double>();
             }
             outputs[ins.mb] = out;
+            if (!train && received[ins.mb].defined()) {
+              inputs[ins.mb] = at::Tensor();
+              act_pool_.push_back(std::move(received[ins.mb]));
+            }
           } else if constexpr (std::is_same_v<T, pipeline::SendActivation>) {
             send_activation(outputs[ins.mb], ins.mb, sends);
             if (!train) outputs[ins.mb] = at::Tensor();
           } else if constexpr (std::is_same_v<T, pipeline::RecvGrad>) {
-            grads[ins.mb] = at::empty_like(outputs[ins.mb]);
+            if (!grad_pool_.empty() && grad_pool_.back().sizes() == outputs[ins.mb].sizes() &&
+                grad_pool_.back().scalar_type() == outputs[ins.mb].scalar_type()) {
+              grads[ins.mb] = std::move(grad_pool_.back());
+              grad_pool_.pop_back();
+            } else {
+              grads[ins.mb] = at::empty_like(outputs[ins.mb]);
+            }
             groups_.pp->recv(grads[ins.mb], groups_.next_stage, 2 * ins.mb + 1);
           } else if constexpr (std::is_same_v<T, pipeline::Backward>) {
             const bool boundary = ins.mb == M - 1;  // the last backward of both schedules
@@ -174,13 +194,14 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
             }
             if (!boundary) zero_->finish_backward();
             outputs[ins.mb] = at::Tensor();
-            grads[ins.mb] = at::Tensor();
+            if (grads[ins.mb].defined()) grad_pool_.push_back(std::move(grads[ins.mb]));
           } else if constexpr (std::is_same_v<T, pipeline::SendGrad>) {
             at::Tensor g = inputs[ins.mb].grad();
             TS_INTERNAL_ASSERT(g.defined(), "stage ", plan_.stage, ": no input gradient for micro-batch ", ins.mb);
             g = g.contiguous();
             sends.emplace_back(groups_.pp->send_async(g, groups_.prev_stage, 2 * ins.mb + 1), g);
             inputs[ins.mb] = at::Tensor();
+            act_pool_.push_back(std::move(received[ins.mb]));
           } else if constexpr (std::is_same_v<T, pipeline::ReduceTiedGrads>) {
             for (size_t i = 0; i < tied_params_.size(); ++i) {
               at::Tensor g = tied_params_[i].grad();
