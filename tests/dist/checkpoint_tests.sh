@@ -118,6 +118,9 @@ import sys; p='b/global_step2/rank00000.safetensors'; d=bytearray(open(p,'rb').r
   run 2 $common --steps 1 --d-model 48 --try-load k | tee out.txt >/dev/null
   grep -q "LOAD_FAILED: .*parameter 'embed.tok.weight' has shape \[256, 32\] in the checkpoint but \[256, 48\] in the model" out.txt ||
     { cat out.txt; fail "model mismatch not named"; }
+  # A grid the checkpoint cannot map onto (saved without stages, loaded with 2).
+  run 2 --pp 2 --stage 1 --steps 1 --try-load k | tee out.txt >/dev/null
+  grep -q "LOAD_FAILED: .*saved with tp 1 x pp 1; this job runs tp 1 x pp 2" out.txt || { cat out.txt; fail "grid mismatch not named"; }
   echo "damaged shards ok"
   # A folder that cannot be written, even by root (its parent is a file).
   touch afile
