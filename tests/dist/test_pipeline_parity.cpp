@@ -157,5 +157,7 @@ TEST(TensorParallelParity, MatchesOneProcess) {
     check_parity(with_tp(1, 4));             // tp 4
   } else if (n == 8) {
     check_parity(with_tp(2, 2, 1));          // tp 2 x pp 2 x dp 2, ZeRO-1
+  } else {
+    GTEST_SKIP() << "runs at 2, 4 or 8 ranks";
   }
 }
