@@ -50,7 +50,7 @@ TEST(TensorParallel, ColumnThenRowEqualsTheDenseMlp) {
 
 TEST(TensorParallel, GatheredColumnAndChunkedSplitRoundTrip) {
   auto tp = world();
-  const int r = tp->rank(), n = tp->size();
+  const int n = tp->size();
   at::Tensor w = randn({3 * 4 * n, 6}, 7), x = randn({2, 6}, 8);
   tpl::ColumnParallelLinear col(w, at::Tensor(), tp, /*gather_output=*/true, /*chunks=*/3);
   at::Tensor px = x.clone().requires_grad_();
@@ -63,7 +63,6 @@ TEST(TensorParallel, GatheredColumnAndChunkedSplitRoundTrip) {
   expect_close(tpl::merge(parts, {0, 3}), w, "merge inverts slice");
   out.sum().backward();
   expect_close(px.grad(), at::linear(at::ones({2, 3 * 4 * n}), at::cat(parts, 0).t()), "input gradient");
-  (void)r;
 }
 
 TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyEqualTheDenseOnes) {

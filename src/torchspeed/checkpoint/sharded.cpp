@@ -85,25 +85,6 @@ void remove_stale_temporaries(const fs::path& dir) {
   }
 }
 
-void write_synced(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TS_CHECK(fd >= 0, "cannot create '", path, "': ", std::strerror(errno));
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const std::string err = std::strerror(errno);
-      ::close(fd);
-      TS_CHECK(false, "writing '", path, "' failed: ", err);
-    }
-    done += static_cast<size_t>(w);
-  }
-  const bool ok = ::fsync(fd) == 0;
-  ::close(fd);
-  TS_CHECK(ok, "fsync of '", path, "' failed: ", std::strerror(errno));
-}
-
 // Keeps the newest `keep_last` complete tags (by the manifest's saved_at_ns) and `keep`.
 void prune(const fs::path& dir, int keep_last, const std::string& keep) {
   std::vector<std::pair<int64_t, fs::path>> tags;
@@ -251,8 +232,7 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
       m["saved_at_ns"] = std::chrono::system_clock::now().time_since_epoch().count();
       m["files"] = files;
       m["ranks"] = ranks;
-      write_synced(tmp + "/manifest.json", m.dump(1) + "\n");
-      fsync_dir(tmp);
+      write_file_atomic(tmp + "/manifest.json", m.dump(1) + "\n");  // fsyncs the file and the folder
       std::error_code ec;
       std::string aside;
       if (fs::exists(final_path)) {

@@ -155,9 +155,7 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   if (stack_) {
     const auto named = stack_->named_parameters(/*recurse=*/true);
     for (const auto& t : plan_.ties) {
-      const at::Tensor* p = nullptr;
-      for (const auto& item : named)
-        if (item.key() == t.param) p = &item.value();
+      const at::Tensor* p = named.find(t.param);
       TS_CHECK(p, "tied parameter '", t.param, "' is not in this stage's layers");
       at::NoGradGuard g;
       at::Tensor v = p->detach().contiguous();
@@ -184,11 +182,6 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
   zero_ = std::make_unique<zero::ZeroOptimizer>(collect_params(root_, stack_, plan_, groups_.tp->rank()), layers, groups_.dp,
                                                 zo, optimizer_of(config_));
-  // Tied parameters are views into the optimizer's buffers now.
-  for (size_t i = 0; i < tied_params_.size(); ++i) {
-    for (const auto& item : stack_->named_parameters(true))
-      if (item.key() == plan_.ties[i].param) tied_params_[i] = item.value();
-  }
   // Activation checkpointing: segments of `interval` layers keep only their input.
   if (const int k = config_.pipeline.activation_checkpoint_interval; k > 0) {
     for (size_t b = 0; b < stack_->size(); b += static_cast<size_t>(k)) {
@@ -271,19 +264,16 @@ void Engine::step() {
 }
 
 void Engine::optimizer_step() {
-  {
-    auto r = zero_->step(scaler_.scale(), config_.gradient_clipping, schedule_.lr(), schedule_.beta1());
-    scaler_.update(r.overflow);
-    if (r.overflow) {
-      ++skipped_steps_;
-      log::info0("step ", global_steps_ + 1, ": gradient overflow, step skipped; loss scale now ",
-                 scaler_.scale());
-    } else {
-      schedule_.step();
-      grad_norm_ = r.grad_norm;
-    }
-    ++global_steps_;
+  auto r = zero_->step(scaler_.scale(), config_.gradient_clipping, schedule_.lr(), schedule_.beta1());
+  scaler_.update(r.overflow);
+  if (r.overflow) {
+    ++skipped_steps_;
+    log::info0("step ", global_steps_ + 1, ": gradient overflow, step skipped; loss scale now ", scaler_.scale());
+  } else {
+    schedule_.step();
+    grad_norm_ = r.grad_norm;
   }
+  ++global_steps_;
 }
 
 void Engine::zero_grad() { zero_->zero_grad(); }
@@ -353,8 +343,7 @@ std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const
                                    const config::Config& config) {
   const int stages = groups.grid.pp();
   if (stages == 1) return initialize(groups, nn::build(spec), config);
-  std::vector<std::string> types;
-  const auto bounds = pipeline::partition(spec, stages, config.pipeline.partition_method, types);
+  const auto bounds = pipeline::partition(spec, stages, config.pipeline.partition_method);
   const int stage = groups.coord.pp;
   StagePlan plan;
   plan.stage = stage;

@@ -161,7 +161,7 @@ class Engine {
   double forward_s_ = 0, backward_s_ = 0;
   double pipe_busy_s_ = 0, pipe_schedule_s_ = 0;
   StagePlan plan_;
-  std::vector<at::Tensor> tied_params_;  // plan_.ties' parameters
+  std::vector<at::Tensor> tied_params_;  // plan_.ties' parameters (ZeRO re-points their data, same tensors)
   std::vector<nn::Segment> segments_;    // activation checkpointing: a segment per interval
   pipeline::ScheduleKind pipe_schedule_ = pipeline::ScheduleKind::k1F1B;
   std::vector<int64_t> act_shape_sent_, act_shape_recv_;  // exchanged once (see engine_pipeline.cpp)

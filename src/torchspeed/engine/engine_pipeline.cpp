@@ -240,12 +240,9 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::master_params() {
       if (!split) continue;
       at::Tensor all = at::empty({groups_.tp->size() * t.numel()}, at::kFloat);
       groups_.tp->all_gather(t.contiguous().view({-1}), all);
-      t = tensor_parallel::merge(all.view([&] {
-                                      std::vector<int64_t> s{groups_.tp->size()};
-                                      for (int64_t d : t.sizes()) s.push_back(d);
-                                      return s;
-                                    }()).unbind(0),
-                                  *split);
+      std::vector<at::Tensor> parts;  // rank order
+      for (const auto& c : all.chunk(groups_.tp->size())) parts.push_back(c.view(t.sizes()));
+      t = tensor_parallel::merge(parts, *split);
     }
   }
   if (plan_.stages == 1) return local;

@@ -51,8 +51,7 @@ std::vector<size_t> partition_balanced(const std::vector<int64_t>& weights, int 
   return bounds;
 }
 
-std::vector<size_t> partition(const nn::StackSpec& spec, int stages, const std::string& method,
-                              const std::vector<std::string>& type_names) {
+std::vector<size_t> partition(const nn::StackSpec& spec, int stages, const std::string& method) {
   const size_t n = spec.size();
   std::vector<int64_t> w(n, 1);
   if (method == "uniform") {
@@ -73,9 +72,7 @@ std::vector<size_t> partition(const nn::StackSpec& spec, int stages, const std::
     }
     int64_t matched = 0;
     for (size_t i = 0; i < n; ++i) {
-      const bool m = std::regex_search(spec.layers[i].name, re) ||
-                     (i < type_names.size() && std::regex_search(type_names[i], re));
-      w[i] = m ? 1 : 0;
+      w[i] = std::regex_search(spec.layers[i].name, re) ? 1 : 0;
       matched += w[i];
     }
     TS_CHECK(matched >= stages, "pipeline.partition_method '", method, "' matches ", matched, " layers, fewer than the ",

@@ -1,6 +1,6 @@
 // Cutting a stack of layers into pipeline stages, as DeepSpeed's PipelineModule partition_method:
 // "uniform" (balanced layer counts), "parameters" (balanced parameter counts) and "type:REGEX"
-// (balanced counts of the layers whose name or module type matches REGEX, case-insensitive).
+// (balanced counts of the layers whose name matches REGEX, case-insensitive; GPT: type:block).
 #pragma once
 
 #include <cstdint>
@@ -16,9 +16,7 @@ namespace torchspeed::pipeline {
 // least one layer.
 std::vector<size_t> partition_balanced(const std::vector<int64_t>& weights, int stages);
 
-// By `method` over the spec's layers. `type_names[i]`: layer i's module type (for type:REGEX;
-// may be empty, then names alone are matched).
-std::vector<size_t> partition(const nn::StackSpec& spec, int stages, const std::string& method,
-                              const std::vector<std::string>& type_names = {});
+// By `method` over the spec's layers.
+std::vector<size_t> partition(const nn::StackSpec& spec, int stages, const std::string& method);
 
 }  // namespace torchspeed::pipeline

@@ -431,15 +431,22 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr,
   };
   double local_sq = 0.0;
   for (auto& u : units_) {
-    at::Tensor g = owned_grad(*u);
-    local_sq += optim::sum_squares(g.data_ptr(), st, g.numel());
-    // Copies of weights counted on another stage: their owned elements leave the sum.
+    at::Tensor g = owned_grad(*u);  // unit elements [lo, lo + shard)
+    // Sum over the owned range, skipping parameters counted on another rank (tied copies on
+    // later stages, replicated parameters on tensor-parallel ranks > 0); params are in offset order.
     const int64_t lo = dp_rank_ * u->shard, hi = lo + u->shard;
+    int64_t pos = lo;
+    auto add = [&](int64_t a, int64_t b) {
+      if (a < b) local_sq += optim::sum_squares(g.narrow(0, a - lo, b - a).data_ptr(), st, b - a);
+    };
     for (const auto& p : u->params) {
       if (p.count_in_norm) continue;
       const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel);
-      if (a < b) local_sq -= optim::sum_squares(g.narrow(0, a - lo, b - a).data_ptr(), st, b - a);
+      if (a >= b) continue;
+      add(pos, a);
+      pos = b;
     }
+    add(pos, hi);
   }
   // One all-reduce gives the global norm and, through inf/NaN, the overflow agreement.
   at::Tensor sq = at::full({1}, local_sq, at::kDouble);
