@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
     }
     // Test accuracy on this rank's half of the test set, averaged over the ranks.
     engine->eval();
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     const int64_t t_per = test.images.size(0) / dp->size();
     at::Tensor x = test.images.narrow(0, dp->rank() * t_per, t_per), y = test.labels.narrow(0, dp->rank() * t_per, t_per);
     at::Tensor correct = (engine->forward(x).argmax(1) == y).sum().to(at::kDouble).reshape({1});

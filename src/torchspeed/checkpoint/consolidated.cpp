@@ -1,6 +1,7 @@
 // Consolidated models: save, consolidate from shards, find and load.
 #include "torchspeed/checkpoint/consolidated.h"
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 
 #include <filesystem>
@@ -77,7 +78,7 @@ Model load_model(const std::string& path) {
 void load_into(nn::LayerStack& stack, const Model& model) {
   auto params = stack_parameters(stack);
   std::set<std::string> used;
-  at::NoGradGuard guard;
+  c10::NoGradGuard guard;
   for (auto& [name, p] : params) {
     const at::Tensor* src = nullptr;
     for (const auto& [n, t] : model.params)

@@ -1,6 +1,7 @@
 // Engine wiring: config -> component options, and DeepSpeed's step semantics.
 #include "torchspeed/engine/engine.h"
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
@@ -157,7 +158,7 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
     for (const auto& t : plan_.ties) {
       const at::Tensor* p = named.find(t.param);
       TS_CHECK(p, "tied parameter '", t.param, "' is not in this stage's layers");
-      at::NoGradGuard g;
+      c10::NoGradGuard g;
       at::Tensor v = p->detach().contiguous();
       t.comm->broadcast(v, 0);
       if (!v.is_same(*p)) p->detach().copy_(v);

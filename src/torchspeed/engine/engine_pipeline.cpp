@@ -15,6 +15,7 @@
 //   stages holding them (embedding and LM head), so both copies take identical steps.
 // - The gradient norm and the overflow decision cover every stage (ZeroOptions::norm_group).
 // - The loss is computed on the last stage and broadcast to every stage for logging.
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
@@ -69,7 +70,7 @@ double Engine::eval_batch(const MicroBatchSource& next) {
   eval();
   double loss = 0;
   {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     if (plan_.stages > 1) {
       loss = pipeline_batch(next, /*train=*/false);
     } else {

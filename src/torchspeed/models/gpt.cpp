@@ -2,6 +2,7 @@
 // 1/sqrt(2 n_layer), zero biases, unit LayerNorm).
 #include "torchspeed/models/gpt.h"
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
@@ -54,7 +55,7 @@ double GPTConfig::flops_per_token() const {
 
 namespace {
 void init_linear(torch::nn::Linear& l, double std) {
-  at::NoGradGuard g;
+  c10::NoGradGuard g;
   l->weight.normal_(0.0, std);
   if (l->bias.defined()) l->bias.zero_();
 }
@@ -64,7 +65,7 @@ GPTEmbeddingImpl::GPTEmbeddingImpl(const GPTConfig& c) {
   tok = register_module("tok", torch::nn::Embedding(c.vocab, c.d_model));
   pos = register_module("pos", torch::nn::Embedding(c.seq_len, c.d_model));
   drop = register_module("drop", torch::nn::Dropout(c.dropout));
-  at::NoGradGuard g;
+  c10::NoGradGuard g;
   tok->weight.normal_(0.0, 0.02);
   pos->weight.normal_(0.0, 0.02);
 }
@@ -124,7 +125,7 @@ at::Tensor GPTHeadImpl::forward(const at::Tensor& x) { return at::matmul(ln_f(x)
 namespace {
 torch::nn::LayerNorm copy_norm(const torch::nn::LayerNorm& src) {
   torch::nn::LayerNorm n(torch::nn::LayerNormOptions(src->options.normalized_shape()));
-  at::NoGradGuard g;
+  c10::NoGradGuard g;
   n->weight.copy_(src->weight);
   n->bias.copy_(src->bias);
   return n;
@@ -135,7 +136,7 @@ GPTEmbeddingTPImpl::GPTEmbeddingTPImpl(const GPTEmbedding& dense, const comm::Co
   tok = register_module("tok", tensor_parallel::VocabParallelEmbedding(dense->tok->weight, tp));
   pos = register_module("pos", torch::nn::Embedding(dense->pos->weight.size(0), dense->pos->weight.size(1)));
   drop = register_module("drop", torch::nn::Dropout(dense->drop->options.p()));
-  at::NoGradGuard g;
+  c10::NoGradGuard g;
   pos->weight.copy_(dense->pos->weight);
 }
 
@@ -247,7 +248,7 @@ namespace torchspeed::models {
 std::vector<int64_t> sample(nn::LayerStack& model, const GPTConfig& c, std::vector<int64_t> tokens,
                             const SampleOptions& o) {
   TS_CHECK(!tokens.empty(), "generation needs a non-empty prompt");
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   model->eval();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   std::vector<int64_t> out;

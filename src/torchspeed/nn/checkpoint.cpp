@@ -1,6 +1,7 @@
 // checkpoint(): a custom autograd function that saves the input and the RNG state.
 #include "torchspeed/nn/checkpoint.h"
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
@@ -43,7 +44,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     set_rng_state(ctx->saved_data["rng"].toTensor());
     at::Tensor out;
     {
-      at::AutoGradMode enable(true);
+      c10::AutoGradMode enable(true);
       out = segment(input);
     }
     set_rng_state(now);

@@ -14,6 +14,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -104,7 +105,7 @@ double measure_gemm_gflops(const std::string& dtype, int n, int min_runs) {
                                         : at::kFloat;
   TS_CHECK(dtype == "fp32" || dtype == "bf16" || dtype == "fp16",
            "measure_gemm_gflops: dtype must be fp32, bf16 or fp16, got '", dtype, "'");
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   auto a = at::randn({n, n}).to(st);
   auto b = at::randn({n, n}).to(st);
   at::Tensor c;

@@ -33,6 +33,7 @@
 // where fp16 gradients would, which is what the loss scaler reacts to.
 #include "torchspeed/zero/zero_optimizer.h"
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
 #include <torch/autograd.h>
@@ -57,7 +58,7 @@ double seconds_since(Clock::time_point t) {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 void resize_storage(const at::Tensor& t, int64_t bytes) {
-  at::NoGradGuard guard;
+  c10::NoGradGuard guard;
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), static_cast<size_t>(bytes));
 }
 
@@ -245,7 +246,7 @@ void ZeroOptimizer::allocate(std::vector<at::Tensor> originals) {
     const int64_t begin = u.range_begin(dp_rank_, options_.stage());
     if (separate_master) master_.narrow(0, u.part_offset, u.part_size).copy_(exact.narrow(0, begin, u.part_size));
     {
-      at::NoGradGuard guard;
+      c10::NoGradGuard guard;
       for (auto& p : u.params) p.param.set_data(u.full.narrow(0, p.offset, p.numel).view(p.shape));
     }
     if (!u.persistent) {

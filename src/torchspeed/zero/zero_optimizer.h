@@ -5,6 +5,7 @@
 #pragma once
 
 #include <torch/arg.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <chrono>
@@ -175,7 +176,10 @@ class ZeroOptimizer {
   at::Tensor exp_avg_sq_; // fp32 [part]
   at::Tensor grad_part_;  // storage dtype [part]: stage 2/3 gradient partition
 
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+  // The AccumulateGrad nodes our hooks sit on, kept alive (std::shared_ptr in LibTorch 1.13,
+  // c10::intrusive_ptr in 2.x: whatever grad_accumulator returns).
+  using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<GradAccumulatorPtr> grad_accumulators_;
   bool reduce_now_ = false;
   int next_launch_ = -1;
   std::vector<size_t> in_flight_;  // launched, not finalized, in launch order
