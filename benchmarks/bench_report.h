@@ -21,6 +21,7 @@ struct Target {
 struct BenchArgs {
   std::string json_path;  // --json FILE, or ""
   bool quick = false;     // --quick: fewer sizes/repetitions (smoke runs in tests)
+  std::string spec;       // --spec JSON: (internal) the parameters of a benchmark's part
 };
 
 class BenchReport {

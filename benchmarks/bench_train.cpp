@@ -1,18 +1,26 @@
-// `torchspeed bench train`: GPT training throughput and MFU of the engine at dp 2 for ZeRO 0-3 x
-// fp32/bf16, beside a plain single-process LibTorch loop (2 threads) and PyTorch's
-// DistributedDataParallel (gloo, 2 processes), in one run. The GEMM roofline is measured at the
-// model's own shapes. The parent process runs the plain loop, then the DDP script, then the
-// engine part on 2 ranks (mpirun), and merges the results.
+// `torchspeed bench train`: GPT training throughput at dp 2 beside what a user would run instead,
+// on the same model (pre-LN, GELU, tied head), the same global batch, this machine, one run:
+// PyTorch 2.x DDP (gloo), DeepSpeed ZeRO-2 and ZeRO-3 (scripts/bench-env's .venv-bench), Debian's
+// PyTorch 1.13 DDP, and `torchspeed train` itself. Every implementation runs once per round,
+// rounds alternate the order, and the tables show medians. Our rows carry a step breakdown
+// (GEMM, attention, other operators, optimizer, communication wait) from one profiled step and
+// MFU against the fp32 GEMM rate measured at the model's shapes on both ranks at once.
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
 
 #include "bench_report.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
+#include "torchspeed/monitor/op_profile.h"
 #include "torchspeed/runtime/cpu.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
@@ -23,197 +31,298 @@ namespace {
 struct ModelCase {
   std::string name;
   models::GPTConfig gpt;
-  int64_t batch;  // global batch (sequences)
+  int64_t micro;        // per rank; the global batch is 2 x micro
+  int warmup, steps;    // per run
 };
 
 std::vector<ModelCase> cases(bool quick) {
-  models::GPTConfig small;
-  small.seq_len = 128; small.d_model = 192; small.n_layer = 4; small.n_head = 6;
-  models::GPTConfig medium;
-  medium.seq_len = 256; medium.d_model = 384; medium.n_layer = 6; medium.n_head = 6;
-  if (quick) return {{"gpt-small", small, 8}};
-  return {{"gpt-small", small, 32}, {"gpt-medium", medium, 16}};
+  models::GPTConfig tiny;
+  tiny.seq_len = 64; tiny.d_model = 64; tiny.n_layer = 2; tiny.n_head = 2;
+  if (quick) return {{"gpt-tiny", tiny, 4, 1, 2}};
+  models::GPTConfig d256;
+  d256.seq_len = 128; d256.d_model = 256; d256.n_layer = 4; d256.n_head = 4;
+  models::GPTConfig d768;
+  d768.seq_len = 256; d768.d_model = 768; d768.n_layer = 12; d768.n_head = 12;
+  return {{"gpt-d256", d256, 8, 2, 8}, {"gpt-d768", d768, 4, 1, 3}};
+}
+
+ModelCase find_case(const std::string& name) {
+  for (bool quick : {false, true})
+    for (const auto& c : cases(quick))
+      if (c.name == name) return c;
+  TS_CHECK(false, "bench train: no model case '", name, "'");
+  return {};
 }
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-int steps(bool quick) { return quick ? 2 : 5; }
-
-// GEMM rate at the model's shapes (the MLP's [B*T, d] x [d, 4d] and back, and the QKV
-// projection), all threads: the roofline a training step can approach.
-double model_gemm_gflops(const models::GPTConfig& g, int64_t micro, at::ScalarType dt) {
+// fp32 GEMM rate of this thread at the model's shapes: the block's four products ([rows, d] x
+// [d, 3d], [d, d], [d, 4d], [4d, d] with rows = micro x seq), weighted by their FLOPs.
+double model_gemm_gflops(const models::GPTConfig& g, int64_t micro) {
   const int64_t rows = micro * g.seq_len, d = g.d_model;
-  std::vector<std::pair<at::Tensor, at::Tensor>> shapes = {
-      {at::randn({rows, d}).to(dt), at::randn({d, 4 * d}).to(dt)},
-      {at::randn({rows, 4 * d}).to(dt), at::randn({4 * d, d}).to(dt)},
-      {at::randn({rows, d}).to(dt), at::randn({d, 3 * d}).to(dt)}};
+  const std::vector<std::pair<int64_t, int64_t>> kn = {{d, 3 * d}, {d, d}, {d, 4 * d}, {4 * d, d}};
   double flops = 0, secs = 0;
-  for (auto& [a, b] : shapes) {
-    at::Tensor c = at::mm(a, b);
+  for (auto [k, n] : kn) {
+    at::Tensor a = at::randn({rows, k}), b = at::randn({k, n}), c = at::mm(a, b);
     double best = 1e30;
     for (int i = 0; i < 5; ++i) {
-      double t0 = now();
+      const double t0 = now();
       at::mm_out(c, a, b);
       best = std::min(best, now() - t0);
     }
-    flops += 2.0 * a.size(0) * a.size(1) * b.size(1);
+    flops += 2.0 * rows * k * n;
     secs += best;
   }
   return flops / secs / 1e9;
 }
 
-// Plain LibTorch: the same model, torch::optim::AdamW, one process, every thread.
-double plain_loop_tokens_per_s(const ModelCase& mc, bool quick) {
-  torch::manual_seed(0);
-  auto model = models::make_gpt(mc.gpt);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
-  auto step = [&] {
-    at::Tensor x = at::randint(0, 256, {mc.batch, mc.gpt.seq_len}, at::kLong);
-    at::Tensor y = at::randint(0, 256, {mc.batch, mc.gpt.seq_len}, at::kLong);
-    opt.zero_grad();
-    model->loss(model->forward(x), y).backward();
-    opt.step();
-  };
-  step();
-  const double t0 = now();
-  for (int i = 0; i < steps(quick); ++i) step();
-  return steps(quick) * mc.batch * mc.gpt.seq_len / (now() - t0);
-}
-
-nlohmann::json run_ddp(const ModelCase& mc, bool quick) {
-  const std::string script = std::string(TORCHSPEED_SOURCE_DIR) + "/benchmarks/ddp_gpt.py";
-  const std::string out = "/tmp/torchspeed_bench_ddp.json";
-  std::vector<std::string> argv = {"sh", "-c",
-      concat("/usr/bin/python3 ", script, " --seq ", mc.gpt.seq_len, " --d ", mc.gpt.d_model, " --layers ",
-             mc.gpt.n_layer, " --heads ", mc.gpt.n_head, " --batch ", mc.batch, " --steps ", steps(quick),
-             " --warmup 1 > ", out, " 2>/dev/null")};
-  if (launcher::run_command(argv) != 0) return {{"error", "PyTorch DDP baseline failed (apt-get install python3-torch)"}};
-  std::ifstream in(out);
+// The last non-empty line of a file, parsed as JSON ({"error"} when there is none).
+nlohmann::json last_json_line(const std::string& path, const std::string& what) {
+  std::ifstream in(path);
   std::string line, last;
   while (std::getline(in, line))
-    if (!line.empty()) last = line;
+    if (!line.empty() && line[0] == '{') last = line;
   try {
     return nlohmann::json::parse(last);
   } catch (...) {
-    return {{"error", "no result from the PyTorch DDP baseline"}};
+    return {{"error", concat("no result from ", what, " (its output: ", path, ")")}};
   }
+}
+
+struct Impl {
+  std::string name;   // row label
+  std::string kind;   // "ours", "peer", "main_job"
+  std::vector<std::string> argv;
+};
+
+std::string tmp_path(const std::string& leaf) {
+  return (std::filesystem::temp_directory_path() / ("torchspeed_bench_train_" + leaf)).string();
+}
+
+// Runs one implementation once; returns its result JSON (tokens_per_s, or error).
+nlohmann::json run_impl(const Impl& impl, int round) {
+  const std::string out = tmp_path("out.txt"), err = tmp_path("err.txt");
+  if (impl.kind == "main_job") std::filesystem::remove_all(impl.argv.back());  // its --out folder
+  const int rc = launcher::run_command(impl.argv, out, err);
+  nlohmann::json r = impl.kind == "main_job" ? nlohmann::json::object() : last_json_line(out, impl.name);
+  if (impl.kind == "main_job" && rc == 0) {
+    // metrics.csv's last row: tokens/s of the second half of the run (the first is warm-up).
+    std::ifstream csv(impl.argv.back() + "/metrics.csv");
+    std::string line, last;
+    while (std::getline(csv, line)) last = line;
+    std::vector<std::string> f;
+    std::stringstream ss(last);
+    for (std::string x; std::getline(ss, x, ',');) f.push_back(x);
+    if (f.size() >= 8) r["tokens_per_s"] = std::stod(f[7]);
+  }
+  if (rc != 0 || !r.contains("tokens_per_s")) {
+    std::string tail;
+    std::ifstream e(err);
+    for (std::string l; std::getline(e, l);) tail = l.empty() ? tail : l;
+    r = {{"error", concat(impl.name, " failed (exit ", rc, "): ", tail)}};
+  }
+  r["round"] = round;
+  return r;
 }
 
 }  // namespace
 
-// The part on 2 ranks: every ZeRO stage x precision through the engine.
+// One configuration of ours on 2 ranks (spec: case, stage, precision): tokens/s, then one
+// profiled step for the breakdown, and the GEMM roofline at the model's shapes.
 int run_train_engine_part(const BenchArgs& args) {
   const Runtime& rt = runtime();
   TS_CHECK(rt.world_size == 2, "bench train's engine part runs on 2 ranks");
-  nlohmann::json results = nlohmann::json::array();
-  for (const auto& mc : cases(args.quick)) {
-    for (bool bf16 : {false, true}) {
-      for (int stage : {0, 1, 2, 3}) {
-        config::WorldShape shape;
-        shape.world_size = 2;
-        auto cfg = config::Config::parse(
-            {{"train_batch_size", mc.batch}, {"train_micro_batch_size_per_gpu", mc.batch / 2},
-             {"bf16", {{"enabled", bf16}}}, {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
-             {"zero_optimization", {{"stage", stage}, {"overlap_comm", true}, {"reduce_bucket_size", 2000000},
-                                    {"stage3_param_persistence_threshold", 10000}}}},
-            shape);
-        torch::manual_seed(0);
-        auto engine = initialize(rt, models::make_gpt(mc.gpt), cfg);
-        const int64_t micro = mc.batch / 2;
-        auto step = [&] {
-          at::Tensor x = at::randint(0, 256, {micro, mc.gpt.seq_len}, at::kLong);
-          at::Tensor y = at::randint(0, 256, {micro, mc.gpt.seq_len}, at::kLong);
-          engine->backward(engine->forward(x, y));
-          engine->step();
-        };
-        step();
-        engine->groups().world->barrier();
-        auto t_before = engine->timings();
-        const double t0 = now();
-        for (int i = 0; i < steps(args.quick); ++i) step();
-        engine->groups().world->barrier();
-        const double secs = now() - t0;
-        auto t = engine->timings();
-        const double math = (t.forward_s - t_before.forward_s) + (t.backward_s - t_before.backward_s);
-        if (rt.is_rank0()) {
-          results.push_back({{"model", mc.name}, {"stage", stage}, {"precision", bf16 ? "bf16" : "fp32"},
-                             {"steps", steps(args.quick)}, {"seconds", secs},
-                             {"tokens_per_s", steps(args.quick) * mc.batch * mc.gpt.seq_len / secs},
-                             {"forward_backward_s", math}, {"optimizer_s", t.optimizer_s - t_before.optimizer_s},
-                             {"reduce_wait_s", t.reduce_wait_s - t_before.reduce_wait_s},
-                             {"allgather_s", t.allgather_s - t_before.allgather_s}});
-        }
-      }
+  const auto spec = nlohmann::json::parse(args.spec);
+  const ModelCase mc = find_case(spec.at("case"));
+  const int stage = spec.at("stage");
+  const bool bf16 = spec.at("precision") == "bf16";
+  config::WorldShape shape;
+  shape.world_size = 2;
+  auto cfg = config::Config::parse(
+      {{"train_batch_size", 2 * mc.micro}, {"train_micro_batch_size_per_gpu", mc.micro},
+       {"bf16", {{"enabled", bf16}}}, {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+       {"zero_optimization", {{"stage", stage}, {"overlap_comm", true}, {"reduce_bucket_size", 2000000},
+                              {"stage3_param_persistence_threshold", 10000}}}},
+      shape);
+  torch::manual_seed(0);
+  auto engine = initialize(rt, models::make_gpt(mc.gpt), cfg);
+  auto world = engine->groups().world;
+  auto step = [&](monitor::OpTimes* ops) {
+    at::Tensor x = at::randint(0, 256, {mc.micro, mc.gpt.seq_len}, at::kLong);
+    at::Tensor y = at::randint(0, 256, {mc.micro, mc.gpt.seq_len}, at::kLong);
+    {
+      std::optional<monitor::OpTimeProfile::Scope> scope;
+      if (ops) scope.emplace(*ops);
+      engine->backward(engine->forward(x, y));
     }
+    engine->step();
+  };
+  for (int i = 0; i < mc.warmup; ++i) step(nullptr);
+  world->barrier();
+  const double t0 = now();
+  for (int i = 0; i < mc.steps; ++i) step(nullptr);
+  world->barrier();
+  const double secs = now() - t0;
+  // The breakdown: one more step with the operator observer on forward+backward.
+  monitor::OpTimes ops;
+  const auto before = engine->timings();
+  world->barrier();
+  const double p0 = now();
+  step(&ops);
+  world->barrier();
+  const double profiled_s = now() - p0;
+  const auto after = engine->timings();
+  // Both ranks measure at once, as they train: the roofline of the pair.
+  world->barrier();
+  at::Tensor gflops = at::full({1}, model_gemm_gflops(mc.gpt, mc.micro), at::kDouble);
+  world->all_reduce(gflops, comm::ReduceOp::kSum);
+  if (rt.is_rank0()) {
+    const double comm_wait = (after.reduce_wait_s - before.reduce_wait_s) + (after.allgather_s - before.allgather_s);
+    const double optimizer = after.optimizer_s - before.optimizer_s;
+    nlohmann::json r = {
+        {"tokens_per_s", mc.steps * 2 * mc.micro * mc.gpt.seq_len / secs}, {"steps", mc.steps}, {"seconds", secs},
+        {"fp32_gemm_gflops_at_model_shapes", gflops.item<double>()},
+        {"breakdown_s", {{"step", profiled_s}, {"gemm", ops.gemm_s}, {"attention", ops.attention_s},
+                         {"other_ops", ops.other_s}, {"optimizer", optimizer}, {"comm_wait", comm_wait},
+                         {"rest", profiled_s - ops.total_s() - optimizer - comm_wait}}}};
+    std::printf("%s\n", r.dump().c_str());
   }
-  if (rt.is_rank0()) std::ofstream(args.json_path) << results.dump() << "\n";
   return 0;
 }
 
 int run_train(const BenchArgs& args, const std::string& self) {
   BenchReport report("train");
   report.machine() = describe_machine(2);
-  const int threads = cpu::features().affinity_cores;
-  at::set_num_threads(threads);
-  cpu::set_blas_threads(threads);
-  std::map<std::string, double> plain, ddp;
-  std::map<std::string, std::pair<double, double>> roofline;  // fp32, bf16 GFLOP/s
+  const std::string src = TORCHSPEED_SOURCE_DIR;
+  // The peers' environment (installed on first use) and Debian's PyTorch, where present.
+  std::string bench_py;
+  {
+    const std::string out = tmp_path("env.txt");
+    if (launcher::run_command({src + "/scripts/bench-env"}, out) == 0) {
+      std::ifstream in(out);
+      std::getline(in, bench_py);
+    }
+  }
+  const bool debian_torch = launcher::run_command({"/usr/bin/python3", "-c", "import torch"}, "/dev/null", "/dev/null") == 0;
+  if (bench_py.empty()) std::printf("bench train: scripts/bench-env failed: no PyTorch 2.x / DeepSpeed rows\n");
+  const int rounds = args.quick ? 1 : 3;
+  int port = 29620;
+
   for (const auto& mc : cases(args.quick)) {
-    std::printf("bench train: %s (%.2fM parameters, %ld tokens per step): plain loop, PyTorch DDP...\n",
-                mc.name.c_str(), mc.gpt.num_params() / 1e6, static_cast<long>(mc.batch * mc.gpt.seq_len));
+    const auto& g = mc.gpt;
+    std::printf("bench train: %s (d %ld, %ld layers, seq %ld, micro-batch %ld x 2 ranks; %.1fM parameters), %d rounds\n",
+                mc.name.c_str(), static_cast<long>(g.d_model), static_cast<long>(g.n_layer), static_cast<long>(g.seq_len),
+                static_cast<long>(mc.micro), g.num_params() / 1e6, rounds);
     std::fflush(stdout);
-    plain[mc.name] = plain_loop_tokens_per_s(mc, args.quick);
-    auto d = run_ddp(mc, args.quick);
-    ddp[mc.name] = d.value("tokens_per_s", 0.0);
-    roofline[mc.name] = {model_gemm_gflops(mc.gpt, mc.batch / 2, at::kFloat),
-                         model_gemm_gflops(mc.gpt, mc.batch / 2, at::kBFloat16)};
-    report.add_result({{"model", mc.name}, {"impl", "plain_libtorch_loop"}, {"threads", threads}, {"tokens_per_s", plain[mc.name]}});
-    report.add_result({{"model", mc.name}, {"impl", "pytorch_ddp"}, {"result", d}});
-    report.add_result({{"model", mc.name}, {"impl", "gemm_roofline"}, {"fp32_gflops", roofline[mc.name].first},
-                       {"bf16_gflops", roofline[mc.name].second}});
-  }
-  std::printf("bench train: the engine on 2 ranks, ZeRO 0-3 x fp32/bf16...\n");
-  std::fflush(stdout);
-  const std::string part = "/tmp/torchspeed_bench_train_engine.json";
-  launcher::LaunchOptions lo;
-  lo.num_ranks = 2;
-  lo.program = {self, "bench", "train", "--engine-part", "--json", part};
-  if (args.quick) lo.program.push_back("--quick");
-  TS_CHECK(launcher::run_command(launcher::build_command(lo, launcher::LaunchContext::current())) == 0,
-           "the engine part of bench train failed");
-  nlohmann::json engine = nlohmann::json::parse(std::ifstream(part));
-  std::printf("\n%-11s %-5s %5s %10s %9s %9s %9s %9s\n", "model", "prec", "stage", "tokens/s", "MFU",
-              "overhead", "vs plain", "vs DDP");
-  for (const auto& r : engine) {
-    const std::string model = r["model"], prec = r["precision"];
-    const int stage = r["stage"];
-    ModelCase mc;
-    for (const auto& c : cases(args.quick))
-      if (c.name == model) mc = c;
-    const double tps = r["tokens_per_s"], flops = mc.gpt.flops_per_token() * tps;
-    const double roof = (prec == "bf16" ? roofline[model].second : roofline[model].first) * 1e9;
-    const double mfu = flops / roof;  // the roofline was measured with every core of the machine
-    const double overhead = 1.0 - r["forward_backward_s"].get<double>() / r["seconds"].get<double>();
-    std::printf("%-11s %-5s %5d %10.0f %8.1f%% %8.1f%% %8.2fx %8.2fx\n", model.c_str(), prec.c_str(), stage, tps,
-                100 * mfu, 100 * overhead, tps / plain[model], ddp[model] > 0 ? tps / ddp[model] : 0.0);
-    nlohmann::json row = r;
-    row["mfu_of_model_gemm_roofline"] = mfu;
-    row["outside_forward_backward_fraction"] = overhead;
-    report.add_result(row);
-    if (stage == 2 && prec == "fp32") {
-      report.add_target(concat(model, " dp2 ZeRO-2 fp32 tokens/s / PyTorch DDP"), ddp[model] > 0 ? tps / ddp[model] : 0, 1.2);
-      report.add_target(concat(model, " dp2 ZeRO-2 fp32 tokens/s / plain LibTorch loop"), tps / plain[model], 1.0);
+    std::vector<Impl> impls;
+    auto ours = [&](int stage, const std::string& prec) {
+      launcher::LaunchOptions lo;
+      lo.num_ranks = 2;
+      lo.program = {self, "bench", "train", "--engine-part", "--spec",
+                    nlohmann::json{{"case", mc.name}, {"stage", stage}, {"precision", prec}}.dump()};
+      impls.push_back({concat("torchspeed ZeRO-", stage, " ", prec), "ours",
+                       launcher::build_command(lo, launcher::LaunchContext::current())});
+    };
+    ours(2, "fp32");
+    ours(3, "fp32");
+    ours(2, "bf16");
+    const std::vector<std::string> model_args = {
+        "--seq", std::to_string(g.seq_len), "--d_model", std::to_string(g.d_model), "--layers", std::to_string(g.n_layer),
+        "--heads", std::to_string(g.n_head), "--micro", std::to_string(mc.micro), "--steps", std::to_string(mc.steps),
+        "--warmup", std::to_string(mc.warmup)};
+    auto peer = [&](const std::string& name, const std::string& py, std::vector<std::string> extra) {
+      std::vector<std::string> argv = {py, src + "/benchmarks/peers_gpt.py", "--nproc", "2", "--port",
+                                       std::to_string(port++)};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      argv.insert(argv.end(), model_args.begin(), model_args.end());
+      impls.push_back({name, "peer", argv});
+    };
+    if (!bench_py.empty()) {
+      peer("PyTorch 2.x DDP", bench_py, {"--impl", "ddp"});
+      peer("DeepSpeed ZeRO-2", bench_py, {"--impl", "deepspeed", "--stage", "2"});
+      peer("DeepSpeed ZeRO-3", bench_py, {"--impl", "deepspeed", "--stage", "3"});
     }
-    if (stage == 2 && (model == "gpt-medium" || args.quick)) {
-      report.add_target(concat(model, " ZeRO-2 ", prec, ": fraction of the GEMM roofline"), mfu, 0.6);
-      report.add_target(concat(model, " ZeRO-2 ", prec, ": step time outside forward+backward"), overhead, 0.05, false);
+    if (debian_torch) peer("PyTorch 1.13 DDP (Debian)", "/usr/bin/python3", {"--impl", "ddp"});
+    if (mc.name != "gpt-d768") {
+      // The main job on the same shape: torchspeed train, ZeRO-2 fp32, real data, its own loop.
+      const std::string cfg_path = tmp_path(mc.name + ".json"), out_dir = tmp_path(mc.name + "-run");
+      const int total = 2 * (mc.warmup + mc.steps);
+      std::ofstream(cfg_path) << nlohmann::json{
+          {"train_batch_size", 2 * mc.micro}, {"train_micro_batch_size_per_gpu", mc.micro},
+          {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+          {"zero_optimization", {{"stage", 2}, {"overlap_comm", true}, {"reduce_bucket_size", 2000000}}},
+          {"model", g.to_json()},
+          {"train", {{"steps", total}, {"eval_interval", 1 << 30}, {"eval_batches", 1}, {"log_interval", total / 2}}}}.dump();
+      impls.push_back({"torchspeed train (main job)", "main_job",
+                       {self, "train", "-c", cfg_path, "-n", "2", "--out", out_dir}});
     }
+
+    std::map<std::string, std::vector<double>> tps;
+    std::map<std::string, nlohmann::json> last;
+    for (int r = 0; r < rounds; ++r) {
+      std::vector<const Impl*> order;
+      for (const auto& i : impls) order.push_back(&i);
+      if (r % 2) std::reverse(order.begin(), order.end());
+      for (const Impl* impl : order) {
+        std::printf("  round %d/%d: %-28s", r + 1, rounds, impl->name.c_str());
+        std::fflush(stdout);
+        auto res = run_impl(*impl, r);
+        if (res.contains("error")) {
+          std::printf(" %s\n", res["error"].get<std::string>().c_str());
+        } else {
+          tps[impl->name].push_back(res["tokens_per_s"]);
+          std::printf(" %9.0f tok/s\n", res["tokens_per_s"].get<double>());
+        }
+        std::fflush(stdout);
+        res["model"] = mc.name;
+        res["impl"] = impl->name;
+        report.add_result(res);
+        last[impl->name] = res;
+      }
+    }
+    auto med = [&](const std::string& name) { return tps.count(name) ? median(tps[name]) : 0.0; };
+    const double ours2 = med("torchspeed ZeRO-2 fp32"), ours3 = med("torchspeed ZeRO-3 fp32");
+    std::printf("\n%s: median tokens/s of %d rounds\n", mc.name.c_str(), rounds);
+    std::printf("  %-28s %10s %12s %12s\n", "implementation", "tokens/s", "ZeRO-2 fp32", "ZeRO-3 fp32");
+    std::printf("  %-28s %10s %12s %12s\n", "", "", "is this x", "is this x");
+    for (const auto& i : impls) {
+      const double v = med(i.name);
+      if (v > 0) {
+        std::printf("  %-28s %10.0f %11.2fx %11.2fx\n", i.name.c_str(), v, ours2 / v, ours3 / v);
+      } else {
+        std::printf("  %-28s %10s\n", i.name.c_str(), "failed");
+      }
+    }
+    std::printf("  breakdown of one step (ms; GEMM / attention / other operators in forward+backward):\n");
+    std::printf("  %-28s %8s %8s %8s %8s %8s %8s %8s %7s\n", "", "step", "GEMM", "attn", "other", "optim", "comm", "rest", "MFU");
+    for (const auto& i : impls) {
+      if (i.kind != "ours" || !last.count(i.name) || last[i.name].contains("error")) continue;
+      const auto& b = last[i.name]["breakdown_s"];
+      const double roof = last[i.name]["fp32_gemm_gflops_at_model_shapes"].get<double>() * 1e9;
+      const double mfu = g.flops_per_token() * med(i.name) / roof;
+      std::printf("  %-28s %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %6.1f%%\n", i.name.c_str(),
+                  1e3 * b["step"].get<double>(), 1e3 * b["gemm"].get<double>(), 1e3 * b["attention"].get<double>(),
+                  1e3 * b["other_ops"].get<double>(), 1e3 * b["optimizer"].get<double>(),
+                  1e3 * b["comm_wait"].get<double>(), 1e3 * b["rest"].get<double>(), 100 * mfu);
+      report.add_result({{"model", mc.name}, {"impl", i.name}, {"median_tokens_per_s", med(i.name)},
+                         {"mfu_vs_fp32_gemm_at_model_shapes", mfu}});
+      if (i.name == "torchspeed ZeRO-2 fp32" && mc.name == "gpt-d768") {
+        report.add_target(concat(mc.name, " ZeRO-2 fp32 MFU vs measured fp32 GEMM rate"), mfu, 0.75);
+      }
+    }
+    auto ratio_target = [&](const std::string& what, double ours_v, const std::string& peer_name, double target) {
+      const double p = med(peer_name);
+      report.add_target(concat(mc.name, " ", what, " / ", peer_name), p > 0 ? ours_v / p : 0.0, target);
+    };
+    ratio_target("torchspeed ZeRO-2 fp32", ours2, "DeepSpeed ZeRO-2", 1.3);
+    ratio_target("torchspeed ZeRO-2 fp32", ours2, "PyTorch 2.x DDP", 1.2);
+    if (mc.name == "gpt-d768") ratio_target("torchspeed ZeRO-3 fp32", ours3, "DeepSpeed ZeRO-3", 1.3);
+    if (tps.count("torchspeed train (main job)")) {
+      report.add_target(concat(mc.name, " torchspeed train tokens/s / engine ZeRO-2 fp32"),
+                        ours2 > 0 ? med("torchspeed train (main job)") / ours2 : 0.0, 0.95);
+    }
+    std::printf("\n");
   }
-  std::printf("plain loop (%d threads):", threads);
-  for (auto& [m, v] : plain) std::printf(" %s %.0f tok/s;", m.c_str(), v);
-  std::printf(" PyTorch DDP (gloo, 2 processes):");
-  for (auto& [m, v] : ddp) std::printf(" %s %.0f tok/s;", m.c_str(), v);
-  std::printf("\n");
   report.finish(args);
   return 0;
 }

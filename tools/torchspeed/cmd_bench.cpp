@@ -25,6 +25,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--json", o->args.json_path, "Write the results as JSON to FILE");
   cmd->add_flag("--quick", o->args.quick, "Fewer sizes and repetitions (smoke run)");
   cmd->add_flag("--engine-part", o->engine_part, "(internal) bench train's ranks");
+  cmd->add_option("--spec", o->args.spec, "(internal) what bench train's ranks run, as JSON");
   return [o, &inv]() {
     if (o->name == "train" && !o->engine_part) return bench::run_train(o->args, inv.self_path);  // launches its ranks
     if (o->ranks == 0) o->ranks = o->name == "memory" || o->name == "tp" ? 4 : o->name == "adam" ? 1 : 2;

@@ -33,6 +33,11 @@
 
 namespace torchspeed::cli {
 namespace {
+std::string fmt_ratio(double r) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", r);
+  return buf;
+}
 
 std::atomic<bool> g_stop{false};
 
@@ -189,8 +194,21 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     const int64_t tokens_per_step = cfg.train_batch_size * gpt.seq_len;
 
     // MFU against this machine's measured GEMM rate in the compute dtype, on every rank's cores.
-    const double peak = cpu::measure_gemm_gflops(engine->compute_dtype() == at::kBFloat16 ? "bf16" : "fp32", 512) *
-                        1e9 * rt.world_size;
+    // The other dtype is measured too: a precision several times slower on this CPU is named.
+    const bool bf16_compute = engine->compute_dtype() == at::kBFloat16;
+    const double fp32_rate = cpu::measure_gemm_gflops("fp32", 512);
+    const double bf16_rate = cpu::measure_gemm_gflops("bf16", 512);
+    const double peak = (bf16_compute ? bf16_rate : fp32_rate) * 1e9 * rt.world_size;
+    if (bf16_compute && bf16_rate < 0.67 * fp32_rate) {
+      log::warn0("bf16 matmul runs at ", static_cast<int>(bf16_rate), " GFLOP/s on this CPU against ",
+                 static_cast<int>(fp32_rate), " for fp32 (measured, 512^3, per rank): training in bf16 computes about ",
+                 fmt_ratio(fp32_rate / bf16_rate), "x slower. Set bf16.enabled=false (--set bf16.enabled=false) "
+                 "unless the memory bf16 saves is what you need.");
+    } else if (!bf16_compute && bf16_rate > 1.5 * fp32_rate) {
+      log::info0("bf16 matmul runs ", fmt_ratio(bf16_rate / fp32_rate), "x faster than fp32 on this CPU (",
+                 static_cast<int>(bf16_rate), " vs ", static_cast<int>(fp32_rate),
+                 " GFLOP/s per rank): --set bf16.enabled=true trains faster and in half the parameter memory.");
+    }
     std::filesystem::create_directories(o->out);
     if (rt.is_rank0()) {
       std::printf("torchspeed train: GPT %ld layers, d_model %ld, %ld heads, seq %ld: %.2fM parameters\n",

@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/version.h>
 
 #include <cmath>
 
@@ -54,6 +55,27 @@ double GPTConfig::flops_per_token() const {
 }
 
 namespace {
+// Note [Causal attention]
+// LibTorch 2.x has at::scaled_dot_product_attention, whose CPU kernel is a fused flash attention
+// (blocked over keys with an online softmax: the [T, T] scores never exist in full, forward or
+// backward) when dropout is off; with attention dropout it falls back to the composite math
+// path, which equals ours. LibTorch 1.13 has none, so there we spell it out. Both draw attention
+// dropout from the default CPU generator, which activation checkpointing restores on replay.
+// q, k, v: [B, H, T, hd]; returns [B, H, T, hd].
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            torch::nn::Dropout drop) {
+#if TORCH_VERSION_MAJOR >= 2
+  const double p = drop->is_training() ? drop->options.p() : 0.0;
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+#else
+  const int64_t T = q.size(2), hd = q.size(3);
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  at::Tensor causal = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);
+  att = att.masked_fill(causal, -std::numeric_limits<float>::infinity()).softmax(-1);
+  return at::matmul(drop(att), v);
+#endif
+}
+
 void init_linear(torch::nn::Linear& l, double std) {
   c10::NoGradGuard g;
   l->weight.normal_(0.0, std);
@@ -99,10 +121,7 @@ at::Tensor GPTBlockImpl::attention(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), d = x.size(2), hd = d / n_head;
   // [B, T, 3d] -> 3 x [B, H, T, hd]
   auto parts = qkv(x).view({B, T, 3, n_head, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
-  at::Tensor att = at::matmul(parts[0], parts[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  at::Tensor causal = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
-  att = att.masked_fill(causal, -std::numeric_limits<float>::infinity()).softmax(-1);
-  at::Tensor y = at::matmul(drop(att), parts[2]);  // [B, H, T, hd]
+  at::Tensor y = causal_attention(parts[0], parts[1], parts[2], drop);  // [B, H, T, hd]
   return attn_proj(y.transpose(1, 2).reshape({B, T, d}));
 }
 
@@ -168,10 +187,7 @@ at::Tensor GPTBlockTPImpl::forward(const at::Tensor& x) {
   at::Tensor q3 = qkv(h);  // [B, T, 3 * local_heads * hd]
   const int64_t hd = q3.size(2) / (3 * local_heads);
   auto parts = q3.view({B, T, 3, local_heads, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
-  at::Tensor att = at::matmul(parts[0], parts[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  at::Tensor causal = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
-  att = att.masked_fill(causal, -std::numeric_limits<float>::infinity()).softmax(-1);
-  at::Tensor y = at::matmul(drop(att), parts[2]).transpose(1, 2).reshape({B, T, local_heads * hd});
+  at::Tensor y = causal_attention(parts[0], parts[1], parts[2], drop).transpose(1, 2).reshape({B, T, local_heads * hd});
   h = x + drop(attn_proj(y));
   return h + drop(mlp_proj(torch::nn::functional::gelu(fc(ln2(h)))));
 }

@@ -16,6 +16,8 @@
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <ATen/Version.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -97,6 +99,34 @@ bool set_blas_threads(int n) {
 std::string recommended_openblas_coretype() {
   if (std::getenv("OPENBLAS_CORETYPE")) return "";
   return features().avx512f ? "SkylakeX" : "";
+}
+
+LibTorchInfo libtorch_info() {
+  LibTorchInfo info;
+  info.version = TORCH_VERSION;
+#ifdef TORCHSPEED_TORCH_PREFIX
+  info.prefix = TORCHSPEED_TORCH_PREFIX;
+#endif
+  std::istringstream config(at::show_config());
+  std::string line;
+  auto trimmed = [](std::string s) {
+    const auto b = s.find_first_not_of(" -\t");
+    const auto e = s.find_last_not_of(" \t\r");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  while (std::getline(config, line)) {
+    if (line.find("Math Kernel Library") != std::string::npos) info.mkl = trimmed(line);
+    if (line.find("MKL-DNN") != std::string::npos || line.find("oneDNN") != std::string::npos) {
+      info.onednn = trimmed(line);
+    }
+    if (line.find("OpenMP") != std::string::npos && info.openmp.empty()) info.openmp = trimmed(line);
+    const auto at = line.find("BLAS_INFO=");
+    if (at != std::string::npos) {
+      const auto end = line.find(',', at);
+      info.blas = line.substr(at + 10, end == std::string::npos ? std::string::npos : end - at - 10);
+    }
+  }
+  return info;
 }
 
 double measure_gemm_gflops(const std::string& dtype, int n, int min_runs) {

@@ -30,6 +30,18 @@ bool set_blas_threads(int n);
 // needs none (no AVX-512).
 std::string recommended_openblas_coretype();
 
+// The LibTorch this build runs on: version, install prefix, and the BLAS, oneDNN and OpenMP
+// it was built with (from at::show_config(), so it is what is loaded, not what we hoped for).
+struct LibTorchInfo {
+  std::string version;  // TORCH_VERSION of the headers we were compiled with
+  std::string prefix;   // the install whose headers we were compiled with
+  std::string blas;     // BLAS_INFO: "mkl", "open" (OpenBLAS), ...
+  std::string mkl;      // MKL's version line, "" without MKL
+  std::string onednn;   // oneDNN's (MKL-DNN's) version line, "" without it
+  std::string openmp;   // "OpenMP 201511", "" without it
+};
+LibTorchInfo libtorch_info();
+
 // Measured matmul rate in GFLOP/s for an n x n x n product in the given dtype ("fp32", "bf16",
 // "fp16"), best of a few runs with the current thread settings.
 double measure_gemm_gflops(const std::string& dtype, int n, int min_runs = 3);

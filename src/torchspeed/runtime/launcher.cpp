@@ -2,6 +2,7 @@
 #include "torchspeed/runtime/launcher.h"
 
 #include <signal.h>
+#include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -231,13 +232,23 @@ void exec_command(const std::vector<std::string>& argv) {
                   argv[0] == "mpirun" ? " (install OpenMPI: apt-get install openmpi-bin)" : ""));
 }
 
-int run_command(const std::vector<std::string>& argv) {
+int run_command(const std::vector<std::string>& argv, const std::string& stdout_path,
+                const std::string& stderr_path) {
   TS_CHECK(!argv.empty(), "run_command: empty command");
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (!stdout_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
+  if (!stderr_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
   pid_t pid;
-  int rc = posix_spawnp(&pid, args[0], nullptr, nullptr, args.data(), environ);
+  int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
   TS_CHECK(rc == 0, "cannot start '", argv[0], "': ", std::strerror(rc));
   int status = 0;
   while (waitpid(pid, &status, 0) < 0) {

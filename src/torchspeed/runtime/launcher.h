@@ -52,8 +52,10 @@ std::string render_command(const std::vector<std::string>& argv);
 
 // Replaces this process with argv (execvp); returns only by throwing on failure.
 [[noreturn]] void exec_command(const std::vector<std::string>& argv);
-// Runs argv as a child (posix_spawnp), waits, and returns its exit status.
-int run_command(const std::vector<std::string>& argv);
+// Runs argv as a child (posix_spawnp), waits, and returns its exit status. Its standard output
+// and error go to the given files when the paths are not empty (truncated first).
+int run_command(const std::vector<std::string>& argv, const std::string& stdout_path = "",
+                const std::string& stderr_path = "");
 
 // Runs argv (mpirun) in a process group of its own, so a terminal's Ctrl-C reaches only this
 // process: the first Ctrl-C calls `on_interrupt` (e.g. asks the ranks to stop cleanly), a second
