@@ -26,6 +26,7 @@
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/monitor/metrics.h"
+#include "torchspeed/precision/advice.h"
 #include "torchspeed/runtime/cpu.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
@@ -33,11 +34,6 @@
 
 namespace torchspeed::cli {
 namespace {
-std::string fmt_ratio(double r) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f", r);
-  return buf;
-}
 
 std::atomic<bool> g_stop{false};
 
@@ -199,15 +195,12 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     const double fp32_rate = cpu::measure_gemm_gflops("fp32", 512);
     const double bf16_rate = cpu::measure_gemm_gflops("bf16", 512);
     const double peak = (bf16_compute ? bf16_rate : fp32_rate) * 1e9 * rt.world_size;
-    if (bf16_compute && bf16_rate < 0.67 * fp32_rate) {
-      log::warn0("bf16 matmul runs at ", static_cast<int>(bf16_rate), " GFLOP/s on this CPU against ",
-                 static_cast<int>(fp32_rate), " for fp32 (measured, 512^3, per rank): training in bf16 computes about ",
-                 fmt_ratio(fp32_rate / bf16_rate), "x slower. Set bf16.enabled=false (--set bf16.enabled=false) "
-                 "unless the memory bf16 saves is what you need.");
-    } else if (!bf16_compute && bf16_rate > 1.5 * fp32_rate) {
-      log::info0("bf16 matmul runs ", fmt_ratio(bf16_rate / fp32_rate), "x faster than fp32 on this CPU (",
-                 static_cast<int>(bf16_rate), " vs ", static_cast<int>(fp32_rate),
-                 " GFLOP/s per rank): --set bf16.enabled=true trains faster and in half the parameter memory.");
+    if (auto advice = precision::precision_advice(bf16_compute, fp32_rate, bf16_rate)) {
+      if (advice->warning) {
+        log::warn0(advice->message);
+      } else {
+        log::info0(advice->message);
+      }
     }
     std::filesystem::create_directories(o->out);
     if (rt.is_rank0()) {
