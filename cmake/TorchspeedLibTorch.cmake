@@ -95,6 +95,7 @@ if(NOT TARGET torchspeed::libtorch)
     unset(_ts_lib CACHE)
     set(TORCHSPEED_TORCH_INCLUDE_DIRS "${_ts_inc}" "${_ts_inc}/torch/csrc/api/include")
     set(TORCHSPEED_TORCH_LIBRARIES ${_ts_libs})
+    set(TORCHSPEED_TORCH_LIBRARY_FILES ${_ts_libs})
     # --no-as-needed: operators register from static initialisers in libtorch_cpu.so; a program
     # that names none of its symbols directly must still load it.
     set_target_properties(torchspeed::libtorch PROPERTIES
@@ -142,11 +143,7 @@ if(NOT TARGET torchspeed::libtorch)
   if(NOT TORCHSPEED_TORCH_VERSION)
     message(FATAL_ERROR "torchspeed: no LibTorch version.h under ${TORCHSPEED_TORCH_INCLUDE_DIRS}")
   endif()
-  if(TORCHSPEED_TORCH_DIR)
-    ts_libtorch_check_one_install("${_ts_header_root}" "${TORCHSPEED_TORCH_VERSION}" ${TORCHSPEED_TORCH_LIBRARIES})
-  else()
-    ts_libtorch_check_one_install("${_ts_header_root}" "${TORCHSPEED_TORCH_VERSION}" ${TORCHSPEED_TORCH_LIBRARY_FILES})
-  endif()
+  ts_libtorch_check_one_install("${_ts_header_root}" "${TORCHSPEED_TORCH_VERSION}" ${TORCHSPEED_TORCH_LIBRARY_FILES})
   # LibTorch 2.x headers need C++20 (its TorchConfig asks for cxx_std_20); 1.13 is C++17.
   if(TORCHSPEED_TORCH_VERSION VERSION_GREATER_EQUAL 2.0)
     set(TORCHSPEED_TORCH_CXX_STANDARD 20)

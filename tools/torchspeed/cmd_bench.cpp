@@ -27,6 +27,9 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
   cmd->add_flag("--engine-part", o->engine_part, "(internal) bench train's ranks");
   cmd->add_option("--spec", o->args.spec, "(internal) what bench train's ranks run, as JSON");
   return [o, &inv]() {
+    TS_CHECK((!o->engine_part && o->args.spec.empty()) || o->name == "train",
+             "--engine-part and --spec belong to bench train's own ranks, not to bench ", o->name);
+    TS_CHECK(!o->engine_part || !o->args.spec.empty(), "bench train --engine-part needs --spec");
     if (o->name == "train" && !o->engine_part) return bench::run_train(o->args, inv.self_path);  // launches its ranks
     if (o->ranks == 0) o->ranks = o->name == "memory" || o->name == "tp" ? 4 : o->name == "adam" ? 1 : 2;
     if (!launcher::under_launcher() && o->ranks > 1) {
