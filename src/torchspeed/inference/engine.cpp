@@ -1,0 +1,400 @@
+#include "torchspeed/inference/engine.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/logging.h"
+
+namespace torchspeed::inference {
+
+using Clock = std::chrono::steady_clock;
+
+void Histogram::observe(double v) {
+  size_t i = 0;
+  while (i < bounds.size() && v > bounds[i]) ++i;
+  ++counts[i];
+  sum += v;
+  ++count;
+}
+
+namespace {
+std::vector<double> latency_buckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30};
+}
+// Plan headers on the TP group: > 0 a plan of that many int64s follows, 0 keep-alive, -1 stop.
+constexpr int64_t kKeepAlive = 0, kStop = -1;
+}  // namespace
+
+struct Engine::Sequence {
+  uint64_t id = 0;
+  std::vector<int64_t> tokens;  // prompt, then generated
+  int64_t prompt_len = 0, computed = 0, generated = 0;
+  std::vector<int32_t> blocks;
+  SamplingParams params;
+  Sampler sampler;
+  TextStream text;
+  Sink sink;
+  Clock::time_point submitted, last_token;
+  bool prompt_lp_pending = false;
+  std::vector<GeneratedToken> new_tokens, prompt_lps;
+  bool stopped = false;
+  Sequence(const SamplingParams& p) : params(p), sampler(p), text(p.stop) {}
+};
+
+Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& options, comm::CommunicatorPtr tp)
+    : model_(std::move(model)),
+      options_(options),
+      tp_(tp && tp->size() > 1 ? tp : nullptr),
+      cache_(std::make_unique<KVCache>(model_->config().n_layer, model_->local_heads(), model_->head_dim(), options.kv())),
+      pool_(cache_->num_blocks()) {
+  TS_CHECK(options_.max_num_seqs() > 0, "--max-num-seqs must be positive, got ", options_.max_num_seqs());
+  TS_CHECK(options_.max_num_batched_tokens() > 0, "--max-batched-tokens must be positive, got ",
+           options_.max_num_batched_tokens());
+  TS_CHECK(options_.max_queue() >= 0, "--max-queue must not be negative, got ", options_.max_queue());
+  const int64_t full = blocks_for(model_->config().seq_len, cache_->block_size());
+  TS_CHECK(cache_->num_blocks() >= full, "--kv-cache-mb ", options_.kv().budget_mb(), " holds ", cache_->num_blocks(),
+           " blocks of ", cache_->block_size(), " tokens; one sequence of the model's full context (",
+           model_->config().seq_len, " tokens) needs ", full, ": raise --kv-cache-mb");
+  ls_.ttft = Histogram(latency_buckets());
+  ls_.itl = Histogram(latency_buckets());
+  publish_stats();
+}
+
+Engine::~Engine() {
+  if (thread_.joinable()) stop(false);
+}
+
+std::optional<uint64_t> Engine::submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink) {
+  const int64_t ctx = model_->config().seq_len, vocab = model_->config().vocab;
+  TS_CHECK(!prompt.empty(), "the prompt is empty");
+  TS_CHECK(params.max_tokens >= 1, "max_tokens must be at least 1, got ", params.max_tokens);
+  TS_CHECK(static_cast<int64_t>(prompt.size()) + params.max_tokens <= ctx, "the prompt (",
+           prompt.size(), " tokens) and max_tokens (", params.max_tokens, ") exceed the model's context of ", ctx,
+           " tokens");
+  for (int64_t t : prompt) TS_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
+  auto s = std::make_unique<Sequence>(params);
+  s->prompt_len = static_cast<int64_t>(prompt.size());
+  s->tokens = std::move(prompt);
+  s->sink = std::move(sink);
+  s->submitted = Clock::now();
+  s->prompt_lp_pending = params.prompt_logprobs;
+  std::lock_guard<std::mutex> g(mu_);
+  if (stopping_ || queued_.load() >= options_.max_queue()) return std::nullopt;
+  s->id = next_id_++;
+  const uint64_t id = s->id;
+  inbox_.push_back(std::move(s));
+  ++queued_;
+  cv_.notify_one();
+  return id;
+}
+
+void Engine::cancel(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  cancelled_.insert(id);
+  cv_.notify_one();
+}
+
+void Engine::admit_inbox() {
+  std::set<uint64_t> cancelled;
+  bool abort_all = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    while (!inbox_.empty()) {
+      waiting_.push_back(std::move(inbox_.front()));
+      inbox_.pop_front();
+    }
+    cancelled.swap(cancelled_);
+    abort_all = stopping_ && !drain_;
+  }
+  auto gone = [&](const std::unique_ptr<Sequence>& s) { return abort_all || cancelled.count(s->id) > 0; };
+  for (size_t i = 0; i < running_.size();) {
+    if (gone(running_[i])) {
+      finish(*running_[i], "abort");
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+  for (size_t i = 0; i < waiting_.size();) {
+    if (gone(waiting_[i])) {
+      finish(*waiting_[i], "abort");
+      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+      --queued_;
+    } else {
+      ++i;
+    }
+  }
+}
+
+bool Engine::ensure_blocks(Sequence& s, int64_t positions) {
+  const int64_t need = blocks_for(positions, cache_->block_size()) - static_cast<int64_t>(s.blocks.size());
+  if (need <= 0) return true;
+  if (!pool_.can_allocate(need)) return false;
+  const auto got = pool_.allocate(need);
+  s.blocks.insert(s.blocks.end(), got.begin(), got.end());
+  return true;
+}
+
+void Engine::preempt_last() {
+  std::unique_ptr<Sequence> s = std::move(running_.back());
+  running_.pop_back();
+  pool_.release(s->blocks);
+  s->computed = 0;
+  ++ls_.preemptions;
+  waiting_.push_front(std::move(s));
+  ++queued_;
+}
+
+bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
+  int64_t budget = options_.max_num_batched_tokens();
+  auto add = [&](Sequence& s, int64_t n) {
+    SeqChunk c;
+    c.start = s.computed;
+    c.tokens.assign(s.tokens.begin() + s.computed, s.tokens.begin() + s.computed + n);
+    c.blocks = s.blocks;
+    const bool last = s.computed + n == static_cast<int64_t>(s.tokens.size());
+    c.all_logits = s.prompt_lp_pending;
+    c.want_logits = last || c.all_logits;
+    plan.seqs.push_back(std::move(c));
+    order.push_back(&s);
+    budget -= n;
+  };
+  // Running sequences, decodes (one token left to compute) before prompt chunks. A sequence
+  // that finds no free block preempts the most recently admitted ones, itself last.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+      Sequence& s = *running_[i];
+      const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.computed;
+      if ((remaining == 1) != (pass == 0) || remaining <= 0) continue;
+      const int64_t n = std::min(remaining, budget);
+      bool fits = ensure_blocks(s, s.computed + n);
+      while (!fits && running_.back().get() != &s) {
+        preempt_last();
+        fits = ensure_blocks(s, s.computed + n);
+      }
+      if (!fits) {
+        preempt_last();  // s itself
+        break;
+      }
+      add(s, n);
+    }
+  }
+  // Waiting requests in arrival order (preempted ones first), while blocks and slots allow.
+  while (budget > 0 && !waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs()) {
+    Sequence& s = *waiting_.front();
+    const int64_t n = std::min(static_cast<int64_t>(s.tokens.size()) - s.computed, budget);
+    if (!ensure_blocks(s, s.computed + n)) break;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    --queued_;
+    add(s, n);
+  }
+  return !plan.seqs.empty();
+}
+
+void Engine::finish(Sequence& s, const std::string& reason) {
+  pool_.release(s.blocks);
+  RequestEvent ev;
+  ev.text = s.text.take(true);
+  ev.tokens = std::move(s.new_tokens);
+  ev.prompt = std::move(s.prompt_lps);
+  ev.finished = true;
+  ev.finish_reason = reason;
+  ev.prompt_tokens = s.prompt_len;
+  ev.completion_tokens = s.generated;
+  ++ls_.requests_finished;
+  if (s.sink) s.sink(ev);
+}
+
+void Engine::send_plan(const StepPlan* plan) {
+  if (!tp_) return;
+  std::vector<int64_t> flat;
+  if (plan) flat = plan->serialize();
+  at::Tensor header = at::tensor(std::vector<int64_t>{plan ? static_cast<int64_t>(flat.size()) : kStop}, at::kLong);
+  tp_->broadcast(header, 0);
+  if (plan) tp_->broadcast(at::tensor(flat, at::kLong), 0);
+}
+
+void Engine::follow(InferenceModel& model, const EngineOptions& options, const comm::CommunicatorPtr& tp) {
+  KVCache cache(model.config().n_layer, model.local_heads(), model.head_dim(), options.kv());
+  while (true) {
+    at::Tensor header = at::empty({1}, at::kLong);
+    comm::WorkPtr w = tp->broadcast_async(header, 0);
+    // Idle servers wait here: sleep between polls instead of spinning a core.
+    for (int polls = 0; !w->is_completed(); ++polls) {
+      if (polls > 2000) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      else std::this_thread::yield();
+    }
+    const int64_t n = header.item<int64_t>();
+    if (n == kStop) return;
+    if (n == kKeepAlive) continue;
+    at::Tensor flat = at::empty({n}, at::kLong);
+    tp->broadcast(flat, 0);
+    const int64_t* p = flat.data_ptr<int64_t>();
+    model.forward(StepPlan::deserialize(std::vector<int64_t>(p, p + n)), cache);
+  }
+}
+
+bool Engine::step() {
+  admit_inbox();
+  StepPlan plan;
+  std::vector<Sequence*> order;
+  const bool work = schedule(plan, order);
+  if (work) {
+    const auto t0 = Clock::now();
+    send_plan(&plan);
+    const at::Tensor logits = model_->forward(plan, *cache_);
+    const int64_t vocab = logits.size(1);
+    const float* L = logits.data_ptr<float>();
+    int64_t row = 0;
+    std::vector<Sequence*> done;
+    const auto now = Clock::now();
+    for (size_t i = 0; i < order.size(); ++i) {
+      Sequence& s = *order[i];
+      const SeqChunk& c = plan.seqs[i];
+      const int64_t nt = static_cast<int64_t>(c.tokens.size());
+      const int64_t rows = c.want_logits ? (c.all_logits ? nt : 1) : 0;
+      if (c.all_logits) {
+        for (int64_t k = 0; k < nt; ++k) {
+          const int64_t target = c.start + k + 1;
+          if (target >= s.prompt_len) break;
+          GeneratedToken g;
+          g.id = s.tokens[static_cast<size_t>(target)];
+          g.logprobs = Sampler::logprobs_of(L + (row + k) * vocab, vocab, g.id, std::max<int64_t>(s.params.logprobs, 0));
+          s.prompt_lps.push_back(std::move(g));
+        }
+      }
+      s.computed += nt;
+      if (s.computed >= s.prompt_len) s.prompt_lp_pending = false;
+      if (s.computed == static_cast<int64_t>(s.tokens.size())) {
+        GeneratedToken g;
+        g.id = s.sampler.sample(L + (row + rows - 1) * vocab, vocab, &g.logprobs);
+        s.tokens.push_back(g.id);
+        ++s.generated;
+        ++ls_.generated_tokens;
+        if (s.generated == 1) {
+          ls_.ttft.observe(std::chrono::duration<double>(now - s.submitted).count());
+          ls_.prompt_tokens += static_cast<uint64_t>(s.prompt_len);
+        } else {
+          ls_.itl.observe(std::chrono::duration<double>(now - s.last_token).count());
+        }
+        s.last_token = now;
+        s.stopped = s.text.append(std::string(1, static_cast<char>(g.id)));
+        s.new_tokens.push_back(std::move(g));
+        if (s.stopped || s.generated >= s.params.max_tokens ||
+            static_cast<int64_t>(s.tokens.size()) >= model_->config().seq_len) {
+          done.push_back(&s);
+        } else if (s.sink) {
+          RequestEvent ev;
+          ev.text = s.text.take(false);
+          ev.tokens = std::move(s.new_tokens);
+          s.new_tokens.clear();
+          ev.prompt = std::move(s.prompt_lps);
+          s.prompt_lps.clear();
+          ev.prompt_tokens = s.prompt_len;
+          ev.completion_tokens = s.generated;
+          s.sink(ev);
+        }
+      }
+      row += rows;
+    }
+    for (Sequence* s : done) {
+      finish(*s, s->stopped ? "stop" : "length");
+      running_.erase(std::find_if(running_.begin(), running_.end(), [&](const auto& p) { return p.get() == s; }));
+    }
+    ++ls_.steps;
+    ls_.busy_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  publish_stats();
+  return work;
+}
+
+void Engine::publish_stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  stats_ = ls_;
+  stats_.running = static_cast<int64_t>(running_.size());
+  stats_.waiting = static_cast<int64_t>(waiting_.size() + inbox_.size());
+  stats_.blocks_used = pool_.used();
+  stats_.blocks_free = pool_.free();
+  stats_.blocks_total = pool_.total();
+  stats_.block_size = cache_->block_size();
+}
+
+void Engine::run_until_idle() {
+  while (true) {
+    const bool worked = step();
+    std::lock_guard<std::mutex> g(mu_);
+    if (!worked && inbox_.empty() && running_.empty() && waiting_.empty()) return;
+  }
+}
+
+void Engine::loop() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      auto ready = [&] { return stopping_ || !inbox_.empty() || !cancelled_.empty() || !running_.empty() || !waiting_.empty(); };
+      if (tp_) {
+        if (!cv_.wait_for(lk, std::chrono::seconds(1), ready)) {
+          lk.unlock();
+          at::Tensor header = at::tensor(std::vector<int64_t>{kKeepAlive}, at::kLong);
+          tp_->broadcast(header, 0);
+          continue;
+        }
+      } else {
+        cv_.wait(lk, ready);
+      }
+      if (stopping_ && (!drain_ || (inbox_.empty() && waiting_.empty() && running_.empty()))) break;
+    }
+    try {
+      step();
+    } catch (const std::exception& e) {
+      // A failed forward (a TP peer gone, out of memory) ends every request with "abort"
+      // instead of leaving clients hanging; the loop then stops.
+      log::error("inference engine: ", e.what(), "; aborting all requests");
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        stopping_ = true;
+        drain_ = false;
+      }
+      admit_inbox();
+      publish_stats();
+      try {
+        send_plan(nullptr);
+      } catch (const std::exception&) {
+      }
+      return;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    drain_ = false;
+  }
+  admit_inbox();  // aborts whatever is left
+  publish_stats();
+  send_plan(nullptr);
+}
+
+void Engine::start() {
+  TS_CHECK(!thread_.joinable(), "the inference engine is already running");
+  thread_ = std::thread([this] { loop(); });
+}
+
+void Engine::stop(bool drain) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stopping_ = true;
+    drain_ = drain;
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return stats_;
+}
+
+}  // namespace torchspeed::inference

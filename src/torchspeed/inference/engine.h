@@ -1,0 +1,135 @@
+// The serving engine: requests in, tokens out, one loop that batches continuously. Each
+// iteration the scheduler builds one forward pass under a token budget: every running decode
+// first (one token each), then chunks of prompts (FastGen's Dynamic SplitFuse, vLLM's chunked
+// prefill), admitting waiting requests while KV blocks and sequence slots allow. A request
+// never waits for another to finish; when the cache runs out the latest admitted sequence is
+// preempted (its blocks freed, recomputed later). Finished, cancelled and disconnected
+// requests return their blocks in the same iteration. With a tensor-parallel group, rank 0
+// runs the loop and sends each step's plan to the other ranks, which run `follow`.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "torchspeed/inference/kv_cache.h"
+#include "torchspeed/inference/model.h"
+#include "torchspeed/inference/sampler.h"
+#include "torchspeed/inference/text.h"
+
+namespace torchspeed::inference {
+
+struct EngineOptions {
+  TORCH_ARG(int64_t, max_num_seqs) = 16;             // sequences in one forward pass
+  TORCH_ARG(int64_t, max_num_batched_tokens) = 256;  // tokens in one forward pass
+  TORCH_ARG(int64_t, max_queue) = 64;                // waiting requests before submit refuses
+  TORCH_ARG(KVCacheOptions, kv) = KVCacheOptions();
+};
+
+struct GeneratedToken {
+  int64_t id = 0;
+  TokenLogprobs logprobs;
+};
+
+// What a request's sink receives: new text and tokens, then one event with `finished`.
+struct RequestEvent {
+  std::string text;                     // new valid UTF-8 text (stop strings never included)
+  std::vector<GeneratedToken> tokens;   // tokens generated since the last event
+  std::vector<GeneratedToken> prompt;   // once, with prompt_logprobs: prompt tokens 1.. (0 has none)
+  bool finished = false;
+  std::string finish_reason;            // "stop", "length", "abort"
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+};
+using Sink = std::function<void(const RequestEvent&)>;  // called on the engine's thread
+
+struct Histogram {
+  std::vector<double> bounds;        // upper bounds, seconds
+  std::vector<uint64_t> counts;      // per bucket (cumulative in to_prometheus)
+  double sum = 0;
+  uint64_t count = 0;
+  explicit Histogram(std::vector<double> b = {}) : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void observe(double v);
+};
+
+struct EngineStats {
+  int64_t running = 0, waiting = 0, blocks_used = 0, blocks_free = 0, blocks_total = 0, block_size = 0;
+  uint64_t requests_finished = 0, prompt_tokens = 0, generated_tokens = 0, preemptions = 0, steps = 0;
+  Histogram ttft, itl;
+  double busy_seconds = 0;  // time spent in forward passes and sampling
+};
+
+class Engine {
+ public:
+  // `tp`: the tensor-parallel group (rank 0 calls this; the others call follow()).
+  Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& options, comm::CommunicatorPtr tp = nullptr);
+  ~Engine();
+
+  // Queues a request; returns its id, or nullopt when the queue is full. The prompt must fit
+  // the context with max_tokens (checked here: TS_CHECK names the limit).
+  std::optional<uint64_t> submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink);
+  // Ends a request (a client that went away): its blocks are freed on the next iteration and
+  // its sink gets a finished event with reason "abort".
+  void cancel(uint64_t id);
+
+  // The loop on a thread of its own; stop() lets running and waiting requests finish first
+  // when `drain`, otherwise aborts them; then joins (and tells TP followers to exit).
+  void start();
+  void stop(bool drain);
+  // One iteration on the caller's thread (tests, no thread started): false when idle.
+  bool step();
+  // Runs steps until every submitted request finished (tests).
+  void run_until_idle();
+
+  EngineStats stats() const;
+  const InferenceModel& model() const { return *model_; }
+  const EngineOptions& options() const { return options_; }
+  int64_t context_length() const { return model_->config().seq_len; }
+  int64_t kv_cache_bytes() const { return cache_->bytes(); }
+
+  // TP ranks other than 0: run every plan rank 0 sends until it says stop.
+  static void follow(InferenceModel& model, const EngineOptions& options, const comm::CommunicatorPtr& tp);
+
+ private:
+  struct Sequence;
+  void admit_inbox();
+  bool schedule(StepPlan& plan, std::vector<Sequence*>& order);
+  void finish(Sequence& s, const std::string& reason);
+  void preempt_last();
+  bool ensure_blocks(Sequence& s, int64_t positions);
+  void send_plan(const StepPlan* plan);
+  void loop();
+  void publish_stats();
+
+  std::shared_ptr<InferenceModel> model_;
+  EngineOptions options_;
+  comm::CommunicatorPtr tp_;
+  std::unique_ptr<KVCache> cache_;
+  BlockPool pool_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Sequence>> inbox_;
+  std::set<uint64_t> cancelled_;
+  uint64_t next_id_ = 1;
+  bool stopping_ = false, drain_ = true;
+  std::atomic<int64_t> queued_{0};  // inbox + waiting
+  EngineStats stats_;  // what stats() returns, copied from ls_ after each step
+  EngineStats ls_;     // owned by the loop
+
+  // Owned by the loop.
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+  std::thread thread_;
+};
+
+}  // namespace torchspeed::inference

@@ -1,0 +1,49 @@
+// Linear layers for serving, with weights in fp32, bf16 or int8 (weight-only, one fp32 scale per
+// output channel, as ZeroQuant / LLM.int8-style serving stores them). Computation is fp32
+// whatever the storage: the kernels read the compact weights and widen them in registers, so
+// decode, which is bound by the bytes of weights read per token, gets faster with the smaller
+// formats even on CPUs without bf16 arithmetic. See Note [Serving linear kernels].
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace torchspeed::inference {
+
+enum class WeightFormat { kFP32, kBF16, kInt8 };
+WeightFormat parse_weight_format(const std::string& s);  // "fp32" | "bf16" | "int8"
+const char* weight_format_name(WeightFormat f);
+
+class ServingLinear {
+ public:
+  ServingLinear() = default;
+  // weight [out, in] (any floating dtype), bias [out] or undefined.
+  ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format);
+
+  // x [rows, in] fp32 contiguous -> [rows, out] fp32, bias added unless `add_bias` is false.
+  // Rows [0, row_kernel_rows) always go through the row kernel, so each of them gets the same
+  // bits whatever else is in the batch; the rest use a GEMM when there are many of them.
+  at::Tensor forward(const at::Tensor& x, int64_t row_kernel_rows, bool add_bias = true) const;
+  void add_bias(at::Tensor& y) const;
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  int64_t weight_bytes() const;  // bytes read per pass over the weights (with scales)
+  WeightFormat format() const { return format_; }
+  // The weight as fp32 (dequantized), [out, in].
+  at::Tensor dense_weight() const;
+
+ private:
+  void rows_kernel(const float* x, int64_t rows, float* y) const;
+  WeightFormat format_ = WeightFormat::kFP32;
+  int64_t in_ = 0, out_ = 0;
+  at::Tensor w_;      // [out, in] in the storage dtype (int8 for kInt8)
+  at::Tensor scale_;  // [out] fp32, kInt8 only
+  at::Tensor bias_;   // [out] fp32 or undefined
+};
+
+// Rows up to this count go through the row kernel; more use dequantize + GEMM (prefill).
+constexpr int64_t kRowKernelMaxRows = 32;
+
+}  // namespace torchspeed::inference

@@ -1,0 +1,199 @@
+#include "torchspeed/inference/model.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cmath>
+#include <map>
+
+#include "torchspeed/inference/attention.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/tensor_parallel/layers.h"
+
+namespace torchspeed::inference {
+
+std::vector<int64_t> StepPlan::serialize() const {
+  std::vector<int64_t> f{static_cast<int64_t>(seqs.size())};
+  for (const SeqChunk& s : seqs) {
+    f.insert(f.end(), {s.start, static_cast<int64_t>(s.tokens.size()), static_cast<int64_t>(s.blocks.size()),
+                       (s.all_logits ? 1 : 0) | (s.want_logits ? 2 : 0)});
+    f.insert(f.end(), s.tokens.begin(), s.tokens.end());
+    f.insert(f.end(), s.blocks.begin(), s.blocks.end());
+  }
+  return f;
+}
+
+StepPlan StepPlan::deserialize(const std::vector<int64_t>& f) {
+  StepPlan p;
+  size_t i = 0;
+  auto next = [&]() {
+    TS_INTERNAL_ASSERT(i < f.size(), "step plan truncated at ", i);
+    return f[i++];
+  };
+  const int64_t n = next();
+  for (int64_t s = 0; s < n; ++s) {
+    SeqChunk c;
+    c.start = next();
+    const int64_t nt = next(), nb = next(), flags = next();
+    c.all_logits = flags & 1;
+    c.want_logits = flags & 2;
+    for (int64_t k = 0; k < nt; ++k) c.tokens.push_back(next());
+    for (int64_t k = 0; k < nb; ++k) c.blocks.push_back(static_cast<int32_t>(next()));
+    p.seqs.push_back(std::move(c));
+  }
+  return p;
+}
+
+namespace {
+struct Params {
+  std::map<std::string, at::Tensor> by_name;
+  std::string source;
+  at::Tensor take(const std::string& name) {
+    auto it = by_name.find(name);
+    TS_CHECK(it != by_name.end(), source, ": the model has no tensor \"", name, "\"");
+    at::Tensor t = it->second.to(at::kFloat).contiguous();
+    by_name.erase(it);
+    return t;
+  }
+};
+}  // namespace
+
+InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat format, comm::CommunicatorPtr tp)
+    : cfg_(models::GPTConfig::from_json(model.config.value("model", nlohmann::json::object()))) {
+  if (tp && tp->size() > 1) tp_ = tp;
+  const int tps = tp_ ? tp_->size() : 1, tpr = tp_ ? tp_->rank() : 0;
+  TS_CHECK(cfg_.n_head % tps == 0, "model.n_head ", cfg_.n_head, " does not divide by --tp ", tps);
+  heads_ = cfg_.n_head / tps;
+  hd_ = cfg_.d_model / cfg_.n_head;
+  Params p;
+  p.source = model.source;
+  for (const auto& [name, t] : model.params) p.by_name[name] = t;
+  auto split = [&](const at::Tensor& full, tensor_parallel::Split s) {
+    return tp_ ? tensor_parallel::slice(full, s, tpr, tps).contiguous() : full;
+  };
+  const tensor_parallel::Split heads_rows{0, 3}, rows{0, 1}, cols{1, 1};
+  tok_ = p.take("embed.tok.weight");
+  pos_ = p.take("embed.pos.weight");
+  for (int64_t i = 0; i < cfg_.n_layer; ++i) {
+    const std::string b = "block" + std::to_string(i) + ".";
+    Layer L;
+    L.ln1_w = p.take(b + "ln1.weight");
+    L.ln1_b = p.take(b + "ln1.bias");
+    L.ln2_w = p.take(b + "ln2.weight");
+    L.ln2_b = p.take(b + "ln2.bias");
+    L.qkv = ServingLinear(split(p.take(b + "qkv.weight"), heads_rows), split(p.take(b + "qkv.bias"), heads_rows), format);
+    L.proj = ServingLinear(split(p.take(b + "attn_proj.weight"), cols), p.take(b + "attn_proj.bias"), format);
+    L.fc = ServingLinear(split(p.take(b + "fc.weight"), rows), split(p.take(b + "fc.bias"), rows), format);
+    L.mlp = ServingLinear(split(p.take(b + "mlp_proj.weight"), cols), p.take(b + "mlp_proj.bias"), format);
+    layers_.push_back(std::move(L));
+  }
+  lnf_w_ = p.take("head.ln_f.weight");
+  lnf_b_ = p.take("head.ln_f.bias");
+  // The LM head is replicated: with a byte vocabulary it is 0.3% of the weights, and splitting
+  // it would add an all-gather per token.
+  head_ = ServingLinear(cfg_.tie_embeddings ? tok_ : p.take("head.weight"), at::Tensor(), format);
+  if (!p.by_name.empty()) {
+    TS_CHECK(false, p.source, ": tensor \"", p.by_name.begin()->first, "\" is not part of a GPT with model config ",
+             cfg_.to_json().dump(), " (", p.by_name.size(), " unused)");
+  }
+}
+
+int64_t InferenceModel::weight_bytes() const {
+  int64_t b = head_.weight_bytes();
+  for (const Layer& L : layers_) b += L.qkv.weight_bytes() + L.proj.weight_bytes() + L.fc.weight_bytes() + L.mlp.weight_bytes();
+  return b;
+}
+
+void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Tensor& q, KVCache& cache,
+                               const std::vector<at::Tensor>& ctx_slots, at::Tensor& out) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd_));
+  const at::Tensor& kc = cache.keys(layer);
+  const at::Tensor& vc = cache.values(layer);
+  std::vector<DecodeAttentionItem> decode;
+  int64_t row = 0;
+  for (size_t s = 0; s < plan.seqs.size(); ++s) {
+    const SeqChunk& c = plan.seqs[s];
+    const int64_t t = static_cast<int64_t>(c.tokens.size()), L = c.start + t;
+    if (t == 1) {
+      decode.push_back({q[row].data_ptr<float>(), ctx_slots[s].data_ptr<int64_t>(), L, out[row].data_ptr<float>()});
+    } else {
+      // A prompt chunk: its queries against every cached position up to each query's own.
+      at::Tensor K = kc.index_select(0, ctx_slots[s]).permute({1, 0, 2});  // [H, L, hd]
+      at::Tensor V = vc.index_select(0, ctx_slots[s]).permute({1, 0, 2});
+      at::Tensor Q = q.narrow(0, row, t).permute({1, 0, 2});               // [H, t, hd]
+      at::Tensor att = at::matmul(Q, K.transpose(1, 2)).mul_(scale);      // [H, t, L]
+      at::Tensor qpos = at::arange(c.start, L, at::kLong).unsqueeze(1);
+      at::Tensor kpos = at::arange(0, L, at::kLong).unsqueeze(0);
+      att.masked_fill_(kpos > qpos, -std::numeric_limits<float>::infinity());
+      at::Tensor y = at::matmul(att.softmax(-1), V);  // [H, t, hd]
+      out.narrow(0, row, t).copy_(y.permute({1, 0, 2}));
+    }
+    row += t;
+  }
+  if (!decode.empty()) {
+    decode_attention(decode.data(), static_cast<int64_t>(decode.size()), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                     heads_, hd_, scale);
+  }
+}
+
+at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
+  c10::InferenceMode guard;
+  TS_INTERNAL_ASSERT(!plan.seqs.empty(), "empty step plan");
+  std::vector<int64_t> toks, pos, slots, logit_rows;
+  std::vector<at::Tensor> ctx;
+  int64_t decode_rows = 0, decode_logit_rows = 0;
+  bool leading = true;
+  for (const SeqChunk& c : plan.seqs) {
+    const int64_t t = static_cast<int64_t>(c.tokens.size());
+    TS_INTERNAL_ASSERT(t > 0, "a chunk with no tokens");
+    TS_CHECK(c.start + t <= cfg_.seq_len, "positions up to ", c.start + t, " exceed the model's context of ",
+             cfg_.seq_len);
+    const int64_t row0 = static_cast<int64_t>(toks.size());
+    if (leading && t == 1) {
+      ++decode_rows;
+      if (c.want_logits) ++decode_logit_rows;
+    } else {
+      leading = false;
+    }
+    toks.insert(toks.end(), c.tokens.begin(), c.tokens.end());
+    for (int64_t k = 0; k < t; ++k) pos.push_back(c.start + k);
+    std::vector<int64_t> ctx_slots;
+    append_slots(c.blocks, cache.block_size(), 0, c.start + t, ctx_slots);
+    slots.insert(slots.end(), ctx_slots.begin() + c.start, ctx_slots.end());
+    ctx.push_back(at::tensor(ctx_slots, at::kLong));
+    if (c.want_logits) {
+      for (int64_t k = c.all_logits ? 0 : t - 1; k < t; ++k) logit_rows.push_back(row0 + k);
+    }
+  }
+  const int64_t N = static_cast<int64_t>(toks.size()), d = cfg_.d_model, dl = heads_ * hd_;
+  const at::Tensor tok_t = at::tensor(toks, at::kLong), pos_t = at::tensor(pos, at::kLong);
+  const at::Tensor slot_t = at::tensor(slots, at::kLong);
+  at::Tensor x = tok_.index_select(0, tok_t).add_(pos_.index_select(0, pos_t));  // [N, d]
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    const Layer& L = layers_[static_cast<size_t>(l)];
+    at::Tensor h = at::layer_norm(x, {d}, L.ln1_w, L.ln1_b, 1e-5);
+    at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, 3 dl]
+    at::Tensor q = qkv.narrow(1, 0, dl).reshape({N, heads_, hd_}).contiguous();
+    cache.keys(l).index_copy_(0, slot_t, qkv.narrow(1, dl, dl).reshape({N, heads_, hd_}));
+    cache.values(l).index_copy_(0, slot_t, qkv.narrow(1, 2 * dl, dl).reshape({N, heads_, hd_}));
+    at::Tensor y = at::empty({N, heads_, hd_}, x.options());
+    attention(plan, l, q, cache, ctx, y);
+    at::Tensor a = L.proj.forward(y.view({N, dl}), decode_rows, /*add_bias=*/!tp_);
+    if (tp_) {
+      tp_->all_reduce(a);
+      L.proj.add_bias(a);
+    }
+    x.add_(a);
+    at::Tensor f = at::gelu(L.fc.forward(at::layer_norm(x, {d}, L.ln2_w, L.ln2_b, 1e-5), decode_rows));
+    at::Tensor m = L.mlp.forward(f, decode_rows, !tp_);
+    if (tp_) {
+      tp_->all_reduce(m);
+      L.mlp.add_bias(m);
+    }
+    x.add_(m);
+  }
+  at::Tensor hf = at::layer_norm(x.index_select(0, at::tensor(logit_rows, at::kLong)), {d}, lnf_w_, lnf_b_, 1e-5);
+  return head_.forward(hf, decode_logit_rows);
+}
+
+}  // namespace torchspeed::inference

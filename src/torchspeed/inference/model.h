@@ -1,0 +1,70 @@
+// A GPT for serving: the trained weights (fp32, bf16 or int8 linears), a forward over a ragged
+// batch of sequence chunks that reads and writes the paged KV cache, and the same forward
+// split Megatron-style over a tensor-parallel group (heads and the MLP split column- then
+// row-parallel with the tensor_parallel/ slicing, two all-reduces of [tokens, d] per layer).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/comm/communicator.h"
+#include "torchspeed/inference/kv_cache.h"
+#include "torchspeed/inference/linear.h"
+#include "torchspeed/models/gpt.h"
+
+namespace torchspeed::inference {
+
+// One sequence's part of a forward pass: tokens at positions [start, start + tokens.size()),
+// attending to every earlier position of the sequence (already in the cache).
+struct SeqChunk {
+  int64_t start = 0;
+  std::vector<int64_t> tokens;
+  std::vector<int32_t> blocks;  // the sequence's block table (covers start + tokens.size())
+  bool all_logits = false;      // logits for every token of the chunk, not just the last
+  bool want_logits = true;      // false: a prompt chunk that is not the prompt's end
+};
+
+struct StepPlan {
+  std::vector<SeqChunk> seqs;
+  // Flat int64 form, for sending the plan to the other tensor-parallel ranks.
+  std::vector<int64_t> serialize() const;
+  static StepPlan deserialize(const std::vector<int64_t>& flat);
+};
+
+class InferenceModel {
+ public:
+  // `tp`: null or a group of size 1 for one process.
+  InferenceModel(const checkpoint::Model& model, WeightFormat format, comm::CommunicatorPtr tp = nullptr);
+
+  const models::GPTConfig& config() const { return cfg_; }
+  int64_t local_heads() const { return heads_; }
+  int64_t head_dim() const { return hd_; }
+  // Bytes of weights one decode step reads on this rank.
+  int64_t weight_bytes() const;
+  int64_t num_params() const { return cfg_.num_params(); }
+
+  // Runs the chunks; returns fp32 logits [rows, vocab]: for each chunk with want_logits, its
+  // last token's row (every token's with all_logits), in plan order.
+  at::Tensor forward(const StepPlan& plan, KVCache& cache);
+  // Collective calls this rank made on its TP group per forward (0 without TP).
+  int64_t collectives_per_forward() const { return tp_ ? 2 * cfg_.n_layer : 0; }
+
+ private:
+  struct Layer {
+    at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;
+    ServingLinear qkv, proj, fc, mlp;
+  };
+  void attention(const StepPlan& plan, int64_t layer, const at::Tensor& q, KVCache& cache,
+                 const std::vector<at::Tensor>& ctx_slots, at::Tensor& out);
+  models::GPTConfig cfg_;
+  comm::CommunicatorPtr tp_;
+  int64_t heads_, hd_;
+  at::Tensor tok_, pos_, lnf_w_, lnf_b_;
+  ServingLinear head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace torchspeed::inference

@@ -1,0 +1,338 @@
+// The serving library against independent references: the paged forward against the training
+// model's plain LibTorch forward (whole sequences, prefill in chunks, then token by token), the
+// KV block pool's exact accounting, the compact-weight kernels against dense fp32 matmuls, the
+// sampler's rules, stop strings and UTF-8 in the text stream, and the scheduler's promise that
+// a request's tokens do not depend on what it is batched with, the chunk size or preemption.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <map>
+
+#include "test_util.h"
+#include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/inference/engine.h"
+#include "torchspeed/models/gpt.h"
+
+using namespace torchspeed;
+using namespace torchspeed::inference;
+
+namespace {
+models::GPTConfig small_cfg() {
+  models::GPTConfig c;
+  c.vocab = 256;
+  c.seq_len = 64;
+  c.d_model = 48;
+  c.n_layer = 2;
+  c.n_head = 4;
+  return c;
+}
+
+// A trained-looking model: random weights scaled up so the next-token distribution is peaked
+// (as after training), making greedy choices well separated from rounding noise.
+struct Fixture {
+  models::GPTConfig cfg = small_cfg();
+  nn::LayerStack stack{nullptr};
+  checkpoint::Model model;
+  Fixture() {
+    torch::manual_seed(7);
+    stack = models::make_gpt(cfg);
+    {
+      torch::NoGradGuard g;
+      for (auto& p : stack->parameters()) {
+        if (p.dim() == 2) p.mul_(4.0);
+      }
+    }
+    model.params = checkpoint::stack_parameters(stack);
+    model.config = {{"model", cfg.to_json()}};
+    model.source = "test model";
+  }
+  // The training model's logits for a whole sequence [T, vocab].
+  at::Tensor reference(const std::vector<int64_t>& toks) {
+    torch::NoGradGuard g;
+    stack->eval();
+    return stack->forward(at::tensor(toks, at::kLong).unsqueeze(0)).squeeze(0);
+  }
+};
+
+std::vector<int64_t> prompt_of(int i, int len) {
+  std::vector<int64_t> p;
+  for (int k = 0; k < len; ++k) p.push_back((i * 37 + k * 11 + 5) % 256);
+  return p;
+}
+
+EngineOptions opts(int64_t budget, int64_t seqs, double kv_mb = 4) {
+  return EngineOptions().max_num_batched_tokens(budget).max_num_seqs(seqs).max_queue(1000).kv(
+      KVCacheOptions().block_size(8).budget_mb(kv_mb));
+}
+}  // namespace
+
+TEST(BlockPool, ExactAccounting) {
+  BlockPool pool(10);
+  EXPECT_EQ(pool.total(), 10);
+  auto a = pool.allocate(3), b = pool.allocate(7);
+  EXPECT_EQ(pool.free(), 0);
+  EXPECT_EQ(pool.used(), 10);
+  std::set<int32_t> ids(a.begin(), a.end());
+  ids.insert(b.begin(), b.end());
+  EXPECT_EQ(ids.size(), 10u);  // never the same block twice
+  ts_test::expect_error([&] { pool.allocate(1); }, "asked for 1 blocks, 0 of 10 are free");
+  pool.release(a);
+  EXPECT_TRUE(a.empty());
+  EXPECT_EQ(pool.free(), 3);
+  auto c = pool.allocate(2);
+  EXPECT_EQ(pool.used() + pool.free(), pool.total());
+  std::vector<int32_t> again = c;
+  pool.release(c);
+  EXPECT_THROW(pool.release(again), torchspeed::Error);  // a double free is caught
+}
+
+TEST(KVCache, SlotsFollowTheBlockTable) {
+  std::vector<int64_t> slots;
+  append_slots({5, 2}, 4, 2, 7, slots);
+  EXPECT_EQ(slots, (std::vector<int64_t>{22, 23, 8, 9, 10}));
+  EXPECT_EQ(blocks_for(9, 4), 3);
+  KVCache cache(2, 4, 12, KVCacheOptions().block_size(16).budget_mb(1));
+  EXPECT_EQ(cache.num_blocks(), (1 << 20) / KVCache::bytes_per_block(2, 4, 12, KVCacheOptions().block_size(16)));
+  EXPECT_LE(cache.bytes(), 1 << 20);
+}
+
+TEST(InferenceModel, PagedForwardMatchesTheTrainingModel) {
+  Fixture f;
+  InferenceModel m(f.model, WeightFormat::kFP32);
+  KVCache cache(f.cfg.n_layer, m.local_heads(), m.head_dim(), KVCacheOptions().block_size(8).budget_mb(1));
+  const auto toks = prompt_of(3, 40);
+  const at::Tensor ref = f.reference(toks);
+  // Scattered blocks, prompt in chunks of 13, 1, 6, then the rest token by token.
+  std::vector<int32_t> table{9, 2, 7, 0, 5};
+  std::vector<at::Tensor> got;
+  int64_t pos = 0;
+  for (int64_t n : {13, 1, 6}) {
+    StepPlan plan;
+    plan.seqs.push_back({pos, std::vector<int64_t>(toks.begin() + pos, toks.begin() + pos + n), table, true, true});
+    got.push_back(m.forward(plan, cache));
+    pos += n;
+  }
+  for (; pos < 40; ++pos) {
+    StepPlan plan;
+    plan.seqs.push_back({pos, {toks[static_cast<size_t>(pos)]}, table, false, true});
+    got.push_back(m.forward(plan, cache));
+  }
+  const at::Tensor all = at::cat(got, 0);
+  EXPECT_LT((all - ref).abs().max().item<double>(), 1e-4) << "max abs diff";
+}
+
+TEST(InferenceModel, RefusesTensorsThatAreNotAGPTs) {
+  Fixture f;
+  f.model.params.emplace_back("block9.extra", at::zeros({2}));
+  ts_test::expect_error([&] { InferenceModel m(f.model, WeightFormat::kFP32); }, "\"block9.extra\" is not part of a GPT");
+}
+
+TEST(ServingLinear, CompactWeightsAndBatchInvariantRows) {
+  torch::manual_seed(1);
+  const at::Tensor w = at::randn({70, 45}), b = at::randn({70}), x = at::randn({40, 45});
+  const at::Tensor ref = at::matmul(x, w.t()) + b;
+  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8}) {
+    ServingLinear l(w, b, fmt);
+    const at::Tensor dense = at::matmul(x, l.dense_weight().t()) + b;  // what the format stores
+    const at::Tensor y = l.forward(x, 0);  // 40 rows: GEMM path
+    EXPECT_LT((y - dense).abs().max().item<double>(), 1e-4) << weight_format_name(fmt);
+    const double tol = fmt == WeightFormat::kFP32 ? 1e-4 : fmt == WeightFormat::kBF16 ? 0.15 : 0.25;
+    EXPECT_LT((y - ref).abs().max().item<double>(), tol) << weight_format_name(fmt);
+    // Row kernel: each row's bits are the same alone and among 16.
+    const at::Tensor batch = l.forward(x.narrow(0, 0, 16), 16);
+    EXPECT_LT((batch - dense.narrow(0, 0, 16)).abs().max().item<double>(), 1e-4);
+    for (int64_t r : {0, 5, 15}) {
+      EXPECT_TRUE(at::equal(l.forward(x.narrow(0, r, 1), 1)[0], batch[r])) << weight_format_name(fmt) << " row " << r;
+    }
+    // Mixed: the first 3 rows through the kernel, the rest through the GEMM.
+    const at::Tensor mixed = l.forward(x, 3);
+    EXPECT_TRUE(at::equal(mixed[1], batch[1]));
+  }
+  EXPECT_EQ(ServingLinear(w, b, WeightFormat::kBF16).weight_bytes(), 70 * 45 * 2 + 70 * 4);
+  EXPECT_EQ(ServingLinear(w, b, WeightFormat::kInt8).weight_bytes(), 70 * 45 + 70 * 4 + 70 * 4);
+}
+
+TEST(Sampler, Rules) {
+  std::vector<float> logits{0.1f, 2.0f, 1.9f, -1.0f, 0.5f};
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  EXPECT_EQ(Sampler(greedy).sample(logits.data(), 5, nullptr), 1);
+  SamplingParams k1;
+  k1.top_k = 1;
+  k1.seed = 3;
+  Sampler s1(k1);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(s1.sample(logits.data(), 5, nullptr), 1);
+  SamplingParams k2 = k1;
+  k2.top_k = 2;
+  Sampler s2(k2);
+  std::map<int64_t, int> seen;
+  for (int i = 0; i < 400; ++i) ++seen[s2.sample(logits.data(), 5, nullptr)];
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_GT(seen[1], seen[2]);  // exp(0.1) more likely
+  SamplingParams p;
+  p.top_p = 0.3;  // the top token alone holds more than 30%
+  p.seed = 1;
+  Sampler sp(p);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sp.sample(logits.data(), 5, nullptr), 1);
+  // Same seed, same draws.
+  SamplingParams t;
+  t.seed = 42;
+  Sampler a(t), b(t);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(a.sample(logits.data(), 5, nullptr), b.sample(logits.data(), 5, nullptr));
+  TokenLogprobs lp = Sampler::logprobs_of(logits.data(), 5, 2, 3);
+  double z = 0;
+  for (float l : logits) z += std::exp(static_cast<double>(l));
+  EXPECT_NEAR(lp.logprob, 1.9 - std::log(z), 1e-6);
+  ASSERT_EQ(lp.top.size(), 3u);
+  EXPECT_EQ(lp.top[0].first, 1);
+  EXPECT_EQ(lp.top[1].first, 2);
+  EXPECT_EQ(lp.top[2].first, 4);
+}
+
+TEST(TextStream, StopsAndUtf8) {
+  TextStream s({"END", "xy"});
+  std::string streamed;
+  for (char c : std::string("abcEN")) {
+    EXPECT_FALSE(s.append(std::string(1, c)));
+    streamed += s.take(false);
+  }
+  EXPECT_EQ(streamed, "abc");  // "EN" could start "END": held back
+  EXPECT_TRUE(s.append("D and more"));
+  streamed += s.take(true);
+  EXPECT_EQ(streamed, "abc");
+  EXPECT_EQ(s.text(), "abc");
+  // A multi-byte character is never split across chunks; invalid bytes become U+FFFD.
+  TextStream u({});
+  std::string out;
+  for (unsigned char c : std::string("h\xC3\xA9!\xFF")) {
+    u.append(std::string(1, static_cast<char>(c)));
+    const std::string piece = u.take(false);
+    EXPECT_EQ(piece, sanitize_utf8(piece));
+    out += piece;
+  }
+  out += u.take(true);
+  EXPECT_EQ(out, "h\xC3\xA9!\xEF\xBF\xBD");
+  EXPECT_EQ(out, sanitize_utf8("h\xC3\xA9!\xFF"));
+  EXPECT_EQ(sanitize_utf8("a\xE2\x82"), "a\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(complete_utf8_prefix("a\xE2\x82", 3), 1u);
+  EXPECT_EQ(token_text('A'), "A");
+  EXPECT_EQ(token_text(0xE2), "bytes:\\xe2");
+}
+
+namespace {
+struct Collected {
+  std::vector<int64_t> tokens;
+  std::string text, reason;
+  int events = 0;
+};
+
+std::vector<Collected> run_requests(Fixture& f, const EngineOptions& o, const std::vector<int>& which, bool sampled,
+                                    uint64_t* preemptions = nullptr) {
+  auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
+  Engine engine(model, o);
+  std::vector<Collected> out(which.size());
+  for (size_t i = 0; i < which.size(); ++i) {
+    SamplingParams p;
+    p.temperature = sampled ? 0.9 : 0.0;
+    p.top_p = sampled ? 0.95 : 1.0;
+    p.seed = 100 + which[i];
+    p.max_tokens = 12 + which[i] % 5;
+    Collected* c = &out[i];
+    auto id = engine.submit(prompt_of(which[i], 5 + (which[i] * 7) % 30), p, [c](const RequestEvent& ev) {
+      for (const auto& t : ev.tokens) c->tokens.push_back(t.id);
+      c->text += ev.text;
+      ++c->events;
+      if (ev.finished) c->reason = ev.finish_reason;
+    });
+    EXPECT_TRUE(id.has_value());
+  }
+  engine.run_until_idle();
+  const EngineStats st = engine.stats();
+  EXPECT_EQ(st.blocks_used, 0);  // every block came back
+  EXPECT_EQ(st.blocks_free, st.blocks_total);
+  EXPECT_EQ(st.requests_finished, which.size());
+  if (preemptions) *preemptions = st.preemptions;
+  return out;
+}
+}  // namespace
+
+TEST(Engine, TokensDoNotDependOnBatchingChunksOrPreemption) {
+  Fixture f;
+  std::vector<int> all;
+  for (int i = 0; i < 16; ++i) all.push_back(i);
+  for (bool sampled : {false, true}) {
+    std::vector<Collected> alone;
+    for (int i : all) alone.push_back(run_requests(f, opts(256, 1), {i}, sampled)[0]);
+    const auto batched = run_requests(f, opts(256, 16), all, sampled);
+    const auto chunked = run_requests(f, opts(7, 16), all, sampled);  // prompts split in 7-token chunks
+    // A cache of 10 blocks of 8 tokens for 16 sequences of up to 50: preemption and recompute.
+    const double tiny = 10.0 * KVCache::bytes_per_block(f.cfg.n_layer, f.cfg.n_head, f.cfg.d_model / f.cfg.n_head,
+                                                        KVCacheOptions().block_size(8)) / (1024.0 * 1024.0);
+    uint64_t preemptions = 0;
+    const auto preempted = run_requests(f, opts(64, 16, tiny), all, sampled, &preemptions);
+    EXPECT_GT(preemptions, 0u);
+    for (size_t i = 0; i < all.size(); ++i) {
+      EXPECT_EQ(alone[i].reason, "length");
+      EXPECT_EQ(static_cast<int>(alone[i].tokens.size()), 12 + all[i] % 5);
+      EXPECT_EQ(batched[i].tokens, alone[i].tokens) << "request " << i << (sampled ? " sampled" : " greedy");
+      EXPECT_EQ(chunked[i].tokens, alone[i].tokens) << "request " << i << (sampled ? " sampled" : " greedy");
+      EXPECT_EQ(preempted[i].tokens, alone[i].tokens) << "request " << i << (sampled ? " sampled" : " greedy");
+      EXPECT_EQ(batched[i].text, alone[i].text);
+    }
+  }
+}
+
+TEST(Engine, StopStringsQueueLimitAndCancel) {
+  Fixture f;
+  auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
+  // Greedy text first, then the same request stopping at a piece of it.
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = 20;
+  std::vector<int64_t> full;
+  {
+    Engine e(model, opts(64, 4));
+    e.submit(prompt_of(1, 6), p, [&](const RequestEvent& ev) { for (auto& t : ev.tokens) full.push_back(t.id); });
+    e.run_until_idle();
+  }
+  ASSERT_EQ(full.size(), 20u);
+  std::string bytes;
+  for (int64_t t : full) bytes += static_cast<char>(t);
+  const std::string stop = bytes.substr(8, 2);
+  const size_t at = bytes.find(stop);
+  SamplingParams ps = p;
+  ps.stop = {stop};
+  std::string text, reason;
+  int64_t completion = 0;
+  {
+    Engine e(model, opts(64, 4));
+    e.submit(prompt_of(1, 6), ps, [&](const RequestEvent& ev) {
+      text += ev.text;
+      if (ev.finished) {
+        reason = ev.finish_reason;
+        completion = ev.completion_tokens;
+      }
+    });
+    e.run_until_idle();
+  }
+  EXPECT_EQ(reason, "stop");
+  EXPECT_EQ(text, sanitize_utf8(bytes.substr(0, at)));
+  EXPECT_EQ(completion, static_cast<int64_t>(at + stop.size()));
+  // Queue limit and cancellation: the blocks of a cancelled request come back.
+  Engine e(model, EngineOptions().max_queue(2).max_num_seqs(4).kv(KVCacheOptions().block_size(8).budget_mb(2)));
+  std::string r1;
+  auto id1 = e.submit(prompt_of(2, 10), p, [&](const RequestEvent& ev) { if (ev.finished) r1 = ev.finish_reason; });
+  auto id2 = e.submit(prompt_of(3, 10), p, nullptr);
+  EXPECT_TRUE(id1 && id2);
+  EXPECT_FALSE(e.submit(prompt_of(4, 10), p, nullptr).has_value());  // queue full
+  e.step();
+  EXPECT_GT(e.stats().blocks_used, 0);
+  e.cancel(*id1);
+  e.cancel(*id2);
+  e.step();
+  EXPECT_EQ(r1, "abort");
+  EXPECT_EQ(e.stats().blocks_used, 0);
+  EXPECT_EQ(e.stats().running, 0);
+  ts_test::expect_error([&] { e.submit(prompt_of(5, 60), p, nullptr); }, "exceed the model's context of 64");
+}
