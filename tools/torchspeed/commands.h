@@ -25,5 +25,6 @@ Runner add_bench(CLI::App& app, const Invocation& inv);
 Runner add_train(CLI::App& app, const Invocation& inv);
 Runner add_generate(CLI::App& app);
 Runner add_convert(CLI::App& app);
+Runner add_serve(CLI::App& app, const Invocation& inv);
 
 }  // namespace torchspeed::cli

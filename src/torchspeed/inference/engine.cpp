@@ -64,7 +64,11 @@ Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& optio
 }
 
 Engine::~Engine() {
-  if (thread_.joinable()) stop(false);
+  try {
+    if (thread_.joinable() || (tp_ && !followers_stopped_)) stop(false);
+  } catch (const std::exception& e) {
+    log::error("inference engine: stopping failed: ", e.what());
+  }
 }
 
 std::optional<uint64_t> Engine::submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink) {
@@ -389,7 +393,12 @@ void Engine::stop(bool drain) {
     drain_ = drain;
     cv_.notify_all();
   }
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    thread_.join();  // the loop told the followers
+  } else if (tp_ && !followers_stopped_) {
+    send_plan(nullptr);
+  }
+  followers_stopped_ = true;
 }
 
 EngineStats Engine::stats() const {

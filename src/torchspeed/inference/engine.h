@@ -121,7 +121,7 @@ class Engine {
   std::deque<std::unique_ptr<Sequence>> inbox_;
   std::set<uint64_t> cancelled_;
   uint64_t next_id_ = 1;
-  bool stopping_ = false, drain_ = true;
+  bool stopping_ = false, drain_ = true, followers_stopped_ = false;
   std::atomic<int64_t> queued_{0};  // inbox + waiting
   EngineStats stats_;  // what stats() returns, copied from ls_ after each step
   EngineStats ls_;     // owned by the loop

@@ -1,0 +1,382 @@
+#include "torchspeed/serve/openai_protocol.h"
+
+#include <cstdio>
+#include <set>
+
+#include "torchspeed/inference/text.h"
+
+namespace torchspeed::serve {
+
+using nlohmann::json;
+
+json ApiError::to_json() const {
+  return {{"error",
+           {{"message", what()}, {"type", type}, {"param", param.empty() ? json(nullptr) : json(param)},
+            {"code", code.empty() ? json(nullptr) : json(code)}}}};
+}
+
+json parse_body(const std::string& body) {
+  if (body.empty()) throw ApiError(400, "the request body is empty; expected a JSON object");
+  try {
+    json j = json::parse(body);
+    if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object");
+    return j;
+  } catch (const json::parse_error& e) {
+    throw ApiError(400, std::string("the request body is not valid JSON: ") + e.what());
+  }
+}
+
+namespace {
+
+std::string num(double v) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%g", v);
+  return b;
+}
+
+[[noreturn]] void bad(const std::string& field, const std::string& what) { throw ApiError(400, field + ": " + what, field); }
+
+bool present(const json& b, const char* k) { return b.contains(k) && !b.at(k).is_null(); }
+
+int64_t get_int(const json& b, const char* k, int64_t def, int64_t lo, int64_t hi) {
+  if (!present(b, k)) return def;
+  const json& v = b.at(k);
+  if (!v.is_number_integer()) bad(k, "expected an integer, got " + v.dump());
+  const int64_t x = v.get<int64_t>();
+  if (x < lo || x > hi) bad(k, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + std::to_string(x));
+  return x;
+}
+
+double get_num(const json& b, const char* k, double def, double lo, double hi, bool open_lo = false) {
+  if (!present(b, k)) return def;
+  const json& v = b.at(k);
+  if (!v.is_number()) bad(k, "expected a number, got " + v.dump());
+  const double x = v.get<double>();
+  if (x < lo || x > hi || (open_lo && x == lo)) {
+    bad(k, std::string("must be in ") + (open_lo ? "(" : "[") + num(lo) + ", " + num(hi) + "], got " +
+               v.dump());
+  }
+  return x;
+}
+
+bool get_bool(const json& b, const char* k, bool def) {
+  if (!present(b, k)) return def;
+  if (!b.at(k).is_boolean()) bad(k, "expected true or false, got " + b.at(k).dump());
+  return b.at(k).get<bool>();
+}
+
+void check_model(const json& b, const ProtocolLimits& l) {
+  if (!present(b, "model")) bad("model", "required");
+  if (!b.at("model").is_string()) bad("model", "expected a string");
+  if (b.at("model").get<std::string>() != l.model_name) {
+    throw ApiError(404, "model \"" + b.at("model").get<std::string>() + "\" does not exist; this server serves \"" +
+                            l.model_name + "\"", "model", "invalid_request_error", "model_not_found");
+  }
+}
+
+// Fields OpenAI defines that we do not implement are refused unless they carry their
+// no-op value; fields OpenAI does not define are refused as OpenAI refuses them.
+void check_fields(const json& b, const std::set<std::string>& known) {
+  for (const auto& [k, v] : b.items()) {
+    if (!known.count(k)) throw ApiError(400, "unrecognized request argument supplied: " + k, k);
+  }
+  for (const char* k : {"presence_penalty", "frequency_penalty"}) {
+    if (present(b, k) && (!b.at(k).is_number() || b.at(k).get<double>() != 0.0)) bad(k, "only 0 is supported");
+  }
+  if (present(b, "logit_bias") && !(b.at("logit_bias").is_object() && b.at("logit_bias").empty())) {
+    bad("logit_bias", "not supported (only an empty object)");
+  }
+}
+
+void common_sampling(const json& b, const ProtocolLimits& l, CompletionRequest& r, const char* max_key) {
+  auto& p = r.params;
+  const int64_t cap = l.max_tokens > 0 ? std::min(l.max_tokens, l.context_length) : l.context_length;
+  p.max_tokens = get_int(b, max_key, 16, 1, cap);
+  p.temperature = get_num(b, "temperature", 1.0, 0.0, 2.0);
+  p.top_p = get_num(b, "top_p", 1.0, 0.0, 1.0, /*open_lo=*/true);
+  p.top_k = get_int(b, "top_k", 0, -1, 1 << 30);
+  if (p.top_k < 0) p.top_k = 0;  // vLLM's -1: off
+  if (present(b, "seed")) {
+    if (!b.at("seed").is_number_integer()) bad("seed", "expected an integer");
+    p.seed = static_cast<uint64_t>(b.at("seed").get<int64_t>());
+  }
+  if (present(b, "stop")) {
+    const json& s = b.at("stop");
+    if (s.is_string()) {
+      p.stop = {s.get<std::string>()};
+    } else if (s.is_array()) {
+      if (s.size() > 4) bad("stop", "at most 4 stop sequences, got " + std::to_string(s.size()));
+      for (const json& x : s) {
+        if (!x.is_string()) bad("stop", "expected strings, got " + x.dump());
+        p.stop.push_back(x.get<std::string>());
+      }
+    } else {
+      bad("stop", "expected a string or a list of strings");
+    }
+    for (const auto& x : p.stop) {
+      if (x.empty()) bad("stop", "a stop sequence must not be empty");
+    }
+  }
+  r.n = get_int(b, "n", 1, 1, l.max_n);
+  if (present(b, "best_of") && get_int(b, "best_of", 1, 1, l.max_n) != r.n) bad("best_of", "only best_of == n is supported");
+  r.stream = get_bool(b, "stream", false);
+  if (present(b, "stream_options")) {
+    const json& so = b.at("stream_options");
+    if (!r.stream) bad("stream_options", "only allowed with stream: true");
+    if (!so.is_object()) bad("stream_options", "expected an object");
+    for (const auto& [k, v] : so.items()) {
+      if (k != "include_usage") bad("stream_options." + k, "unrecognized");
+    }
+    if (so.contains("include_usage")) {
+      if (!so.at("include_usage").is_boolean()) bad("stream_options.include_usage", "expected true or false");
+      r.include_usage = so.at("include_usage").get<bool>();
+    }
+  }
+  if (present(b, "user") && !b.at("user").is_string()) bad("user", "expected a string");
+}
+
+std::vector<int64_t> token_list(const json& a, const std::string& field, int64_t vocab) {
+  std::vector<int64_t> out;
+  for (const json& t : a) {
+    if (!t.is_number_integer()) bad(field, "token ids must be integers, got " + t.dump());
+    const int64_t id = t.get<int64_t>();
+    if (id < 0 || id >= vocab) bad(field, "token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    out.push_back(id);
+  }
+  return out;
+}
+
+void add_prompt(CompletionRequest& r, std::vector<int64_t> toks, const std::string& field, const ProtocolLimits& l) {
+  if (toks.empty()) bad(field, "the prompt is empty");
+  const int64_t n = static_cast<int64_t>(toks.size());
+  if (n + r.params.max_tokens > l.context_length) {
+    throw ApiError(400, "this model's maximum context length is " + std::to_string(l.context_length) + " tokens; the prompt has " +
+                            std::to_string(n) + " and max_tokens is " + std::to_string(r.params.max_tokens),
+                   field, "invalid_request_error", "context_length_exceeded");
+  }
+  std::string text;
+  for (int64_t t : toks) text += static_cast<char>(t);
+  r.prompt_texts.push_back(inference::sanitize_utf8(text));
+  r.prompts.push_back(std::move(toks));
+}
+
+std::vector<int64_t> bytes_of(const std::string& s) { return std::vector<int64_t>(reinterpret_cast<const unsigned char*>(s.data()), reinterpret_cast<const unsigned char*>(s.data()) + s.size()); }
+
+void check_choices(const CompletionRequest& r, const ProtocolLimits& l) {
+  const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.n;
+  if (total > l.max_n) bad("n", "prompts x n is " + std::to_string(total) + ", at most " + std::to_string(l.max_n) + " per request");
+}
+}  // namespace
+
+CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
+  check_fields(b, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs",
+                   "echo", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "best_of",
+                   "logit_bias", "suffix"});
+  check_model(b, l);
+  if (present(b, "suffix")) bad("suffix", "not supported");
+  CompletionRequest r;
+  common_sampling(b, l, r, "max_tokens");
+  r.echo = get_bool(b, "echo", false);
+  r.logprobs = get_int(b, "logprobs", -1, 0, 20);
+  r.params.logprobs = r.logprobs;
+  r.params.prompt_logprobs = r.echo && r.logprobs >= 0;
+  if (!present(b, "prompt")) bad("prompt", "required");
+  const json& p = b.at("prompt");
+  if (p.is_string()) {
+    add_prompt(r, bytes_of(p.get<std::string>()), "prompt", l);
+  } else if (p.is_array() && !p.empty() && p[0].is_number()) {
+    add_prompt(r, token_list(p, "prompt", l.vocab), "prompt", l);
+  } else if (p.is_array() && !p.empty()) {
+    for (size_t i = 0; i < p.size(); ++i) {
+      const std::string f = "prompt[" + std::to_string(i) + "]";
+      if (p[i].is_string()) add_prompt(r, bytes_of(p[i].get<std::string>()), f, l);
+      else if (p[i].is_array()) add_prompt(r, token_list(p[i], f, l.vocab), f, l);
+      else bad(f, "expected a string or a list of token ids");
+    }
+  } else {
+    bad("prompt", "expected a string, a list of strings, a list of token ids or a list of such lists");
+  }
+  check_choices(r, l);
+  return r;
+}
+
+std::string chat_prompt(const json& messages) {
+  std::string out;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    const std::string f = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) bad(f, "expected an object with role and content");
+    if (!m.contains("role") || !m.at("role").is_string()) bad(f + ".role", "required string");
+    const std::string role = m.at("role").get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "developer") {
+      bad(f + ".role", "\"" + role + "\" is not one of system, developer, user, assistant");
+    }
+    std::string content;
+    const json c = m.value("content", json(nullptr));
+    if (c.is_string()) {
+      content = c.get<std::string>();
+    } else if (c.is_array()) {
+      for (size_t k = 0; k < c.size(); ++k) {
+        const json& part = c[k];
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part.at("text").is_string()) {
+          bad(f + ".content[" + std::to_string(k) + "]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported");
+        }
+        content += part.at("text").get<std::string>();
+      }
+    } else {
+      bad(f + ".content", "expected a string or a list of text parts");
+    }
+    for (const auto& [k, v] : m.items()) {
+      if (k != "role" && k != "content" && k != "name") bad(f + "." + k, "not supported");
+    }
+    out += "<|" + (role == "developer" ? std::string("system") : role) + "|>\n" + content + "\n";
+  }
+  return out + "<|assistant|>\n";
+}
+
+CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
+  check_fields(b, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+                   "stop", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "response_format"});
+  check_model(b, l);
+  if (present(b, "response_format")) {
+    const json& rf = b.at("response_format");
+    if (!rf.is_object() || rf.value("type", "") != "text") bad("response_format", "only {\"type\": \"text\"} is supported");
+  }
+  CompletionRequest r;
+  r.chat = true;
+  if (present(b, "max_tokens") && present(b, "max_completion_tokens")) bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both");
+  common_sampling(b, l, r, present(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens");
+  const bool lp = get_bool(b, "logprobs", false);
+  const int64_t top = get_int(b, "top_logprobs", 0, 0, 20);
+  if (present(b, "top_logprobs") && !lp) bad("top_logprobs", "needs logprobs: true");
+  r.logprobs = lp ? top : -1;
+  r.params.logprobs = r.logprobs;
+  if (!present(b, "messages") || !b.at("messages").is_array() || b.at("messages").empty()) {
+    bad("messages", "required: a non-empty list of {role, content}");
+  }
+  r.params.stop.push_back(kChatStop);
+  add_prompt(r, bytes_of(chat_prompt(b.at("messages"))), "messages", l);
+  check_choices(r, l);
+  return r;
+}
+
+namespace {
+json token_bytes(int64_t t) { return json::array({t}); }
+
+json completion_logprobs(const CompletionRequest& req, const ChoiceResult& c, size_t prompt_index, bool with_prompt,
+                         const std::vector<inference::GeneratedToken>& tokens, int64_t offset0) {
+  json toks = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
+  int64_t off = offset0;
+  auto add = [&](int64_t id, const json& lp, const json& top) {
+    toks.push_back(inference::token_text(id));
+    lps.push_back(lp);
+    tops.push_back(top);
+    offs.push_back(off);
+    off += 1;  // one byte per token
+  };
+  if (with_prompt) {
+    const auto& prompt = req.prompts[prompt_index];
+    add(prompt[0], nullptr, nullptr);
+    for (const auto& g : c.prompt_lps) {
+      json top = json::object();
+      for (const auto& [id, v] : g.logprobs.top) top[inference::token_text(id)] = v;
+      add(g.id, g.logprobs.logprob, top);
+    }
+  }
+  for (const auto& g : tokens) {
+    json top = json::object();
+    for (const auto& [id, v] : g.logprobs.top) top[inference::token_text(id)] = v;
+    add(g.id, g.logprobs.logprob, top);
+  }
+  return {{"tokens", toks}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+}
+
+json chat_logprobs(const std::vector<inference::GeneratedToken>& tokens) {
+  json content = json::array();
+  for (const auto& g : tokens) {
+    json top = json::array();
+    for (const auto& [id, v] : g.logprobs.top) {
+      top.push_back({{"token", inference::token_text(id)}, {"logprob", v}, {"bytes", token_bytes(id)}});
+    }
+    content.push_back({{"token", inference::token_text(g.id)}, {"logprob", g.logprobs.logprob}, {"bytes", token_bytes(g.id)},
+                       {"top_logprobs", top}});
+  }
+  return {{"content", content}};
+}
+
+json usage_of(int64_t prompt, int64_t completion) {
+  return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+}
+}  // namespace
+
+json completion_response(const std::string& id, int64_t created, const ProtocolLimits& l, const CompletionRequest& req,
+                         const std::vector<ChoiceResult>& choices) {
+  json out_choices = json::array();
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  for (size_t p = 0; p < req.prompts.size(); ++p) prompt_tokens += static_cast<int64_t>(req.prompts[p].size());
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const ChoiceResult& c = choices[i];
+    const size_t pi = i / static_cast<size_t>(req.n);
+    completion_tokens += c.completion_tokens;
+    if (req.chat) {
+      out_choices.push_back({{"index", i},
+                             {"message", {{"role", "assistant"}, {"content", c.text}}},
+                             {"logprobs", req.logprobs >= 0 ? chat_logprobs(c.tokens) : json(nullptr)},
+                             {"finish_reason", c.finish_reason}});
+    } else {
+      const std::string text = req.echo ? req.prompt_texts[pi] + c.text : c.text;
+      json lp = nullptr;
+      if (req.logprobs >= 0) {
+        lp = completion_logprobs(req, c, pi, req.echo, c.tokens, 0);
+      }
+      out_choices.push_back({{"index", i}, {"text", text}, {"logprobs", lp}, {"finish_reason", c.finish_reason}});
+    }
+  }
+  return {{"id", id},
+          {"object", req.chat ? "chat.completion" : "text_completion"},
+          {"created", created},
+          {"model", l.model_name},
+          {"choices", out_choices},
+          {"usage", usage_of(prompt_tokens, completion_tokens)}};
+}
+
+json stream_chunk(const std::string& id, int64_t created, const ProtocolLimits& l, const CompletionRequest& req, int64_t index,
+                  const std::string& text, const std::vector<inference::GeneratedToken>& tokens,
+                  const std::string& finish_reason, bool first) {
+  const size_t pi = static_cast<size_t>(index / req.n);
+  const json reason = finish_reason.empty() ? json(nullptr) : json(finish_reason);
+  json choice;
+  if (req.chat) {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || first) delta["content"] = text;
+    choice = {{"index", index}, {"delta", delta}, {"logprobs", req.logprobs >= 0 && !tokens.empty() ? chat_logprobs(tokens) : json(nullptr)},
+              {"finish_reason", reason}};
+  } else {
+    const std::string t = first && req.echo ? req.prompt_texts[pi] + text : text;
+    json lp = nullptr;
+    if (req.logprobs >= 0) {
+      ChoiceResult c;
+      lp = completion_logprobs(req, c, pi, false, tokens, 0);
+    }
+    choice = {{"index", index}, {"text", t}, {"logprobs", lp}, {"finish_reason", reason}};
+  }
+  return {{"id", id},
+          {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", l.model_name},
+          {"choices", json::array({choice})}};
+}
+
+json usage_chunk(const std::string& id, int64_t created, const ProtocolLimits& l, const CompletionRequest& req,
+                 int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"id", id},
+          {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", l.model_name},
+          {"choices", json::array()},
+          {"usage", usage_of(prompt_tokens, completion_tokens)}};
+}
+
+}  // namespace torchspeed::serve

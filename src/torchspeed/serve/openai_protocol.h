@@ -1,0 +1,76 @@
+// OpenAI's completions and chat completions API as JSON in and out, with no HTTP and no
+// tensors: requests are validated field by field (an error names its field as OpenAI's
+// `param`, with the status to answer), and responses, stream chunks and errors are built in
+// OpenAI's shapes. The chat template for our byte-level models is in docs/serving.md.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "torchspeed/inference/engine.h"
+
+namespace torchspeed::serve {
+
+struct ApiError : std::runtime_error {
+  int status;
+  std::string type, param, code;
+  ApiError(int status_, const std::string& message, std::string param_ = "", std::string type_ = "invalid_request_error",
+           std::string code_ = "")
+      : std::runtime_error(message), status(status_), type(std::move(type_)), param(std::move(param_)),
+        code(std::move(code_)) {}
+  nlohmann::json to_json() const;
+};
+
+struct ProtocolLimits {
+  std::string model_name;
+  int64_t context_length = 0;  // the model's seq_len
+  int64_t vocab = 256;
+  int64_t max_tokens = 0;      // per choice; 0: up to the context
+  int64_t max_n = 16;          // choices per request (prompts x n)
+};
+
+// The chat template: "<|system|>\n...\n<|user|>\n...\n<|assistant|>\n" per message, then
+// "<|assistant|>\n"; generation stops at "<|" (the start of the next turn).
+std::string chat_prompt(const nlohmann::json& messages);
+inline constexpr const char* kChatStop = "<|";
+
+struct CompletionRequest {
+  bool chat = false;
+  std::vector<std::vector<int64_t>> prompts;  // token ids, one per prompt
+  std::vector<std::string> prompt_texts;      // the prompts as text (echo)
+  inference::SamplingParams params;           // per choice; seed + k for choice k
+  int64_t n = 1;
+  bool stream = false, echo = false, include_usage = false;
+  int64_t logprobs = -1;  // completions: top-N; chat: top_logprobs when logprobs is true
+};
+
+// Throws ApiError (400 naming the field, 404 for an unknown model).
+CompletionRequest parse_completion(const nlohmann::json& body, const ProtocolLimits& limits);
+CompletionRequest parse_chat(const nlohmann::json& body, const ProtocolLimits& limits);
+nlohmann::json parse_body(const std::string& body);  // 400 with the offset of a JSON error
+
+struct ChoiceResult {
+  std::string text;
+  std::vector<inference::GeneratedToken> tokens, prompt_lps;
+  std::string finish_reason;
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  bool finished = false;
+};
+
+// The whole answer of a non-streamed request; `choices` in index order.
+nlohmann::json completion_response(const std::string& id, int64_t created, const ProtocolLimits& limits,
+                                   const CompletionRequest& req, const std::vector<ChoiceResult>& choices);
+// One server-sent event's JSON for choice `index`: new text (and its tokens' logprobs), and
+// the finish reason when it is the last for that choice.
+nlohmann::json stream_chunk(const std::string& id, int64_t created, const ProtocolLimits& limits,
+                            const CompletionRequest& req, int64_t index, const std::string& text,
+                            const std::vector<inference::GeneratedToken>& tokens, const std::string& finish_reason,
+                            bool first);
+nlohmann::json usage_chunk(const std::string& id, int64_t created, const ProtocolLimits& limits,
+                           const CompletionRequest& req, int64_t prompt_tokens, int64_t completion_tokens);
+
+}  // namespace torchspeed::serve

@@ -1,0 +1,1172 @@
+#!/usr/bin/env python3
+"""End to end: `torchspeed serve` driven by the official `openai` Python client (and raw HTTP).
+
+Usage: test_openai_client.py --torchspeed PATH --model-dir DIR [--tp 2] [--only a,b] [--log FILE]
+
+Starts the server on a free 127.0.0.1 port, waits for GET /health, runs independent checks (each
+prints `PASS name` or `FAIL name: reason`), then stops the server with SIGTERM and checks it exited
+with status 0. Exits 1 if any check failed. No pytest; every network call has a timeout and every
+loop is bounded.
+
+The model is a byte-level GPT: token id = byte value, so a prompt of k ASCII characters is k
+tokens. Generated text can hold U+FFFD for partial UTF-8, so token counts are compared through
+`usage`, never through len(text). Request lengths are derived from max_model_len (the tiny test
+model has seq_len 32).
+"""
+
+import argparse
+import email.utils
+import http.client
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+try:
+    import openai
+    from openai import OpenAI
+except ImportError:  # pragma: no cover - reported as a single clear failure
+    print("FAIL import: the `openai` Python package is not installed (pip install openai)",
+          flush=True)
+    sys.exit(1)
+
+HOST = "127.0.0.1"
+API_KEY = "test-key"
+HTTP_TIMEOUT = 30.0  # seconds, every HTTP call
+STARTUP_TIMEOUT = 120.0  # seconds for /health to turn 200
+SHUTDOWN_TIMEOUT = 20.0  # seconds after SIGTERM before SIGKILL
+MAX_QUEUE = 4
+MAX_NUM_SEQS = 4
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise CheckFailed(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw HTTP (http.client: no proxies, exact status codes and headers)
+
+
+class Resp:
+    def __init__(self, status, headers, body):
+        self.status = status
+        self.headers = headers  # lower-cased name -> value
+        self.body = body  # bytes
+
+    def text(self):
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self):
+        try:
+            return json.loads(self.body)
+        except ValueError as e:
+            raise CheckFailed(f"HTTP {self.status}: body is not JSON ({e}): {self.body[:300]!r}")
+
+    def __repr__(self):
+        return f"HTTP {self.status} {self.body[:300]!r}"
+
+
+class RawStream:
+    """A raw streaming (SSE) request; read events with events(), end with close() or abort()."""
+
+    def __init__(self, port, method, path, body, headers):
+        self.conn = http.client.HTTPConnection(HOST, port, timeout=HTTP_TIMEOUT)
+        self.conn.connect()
+        self.sock = self.conn.sock  # kept: http.client drops conn.sock for Connection: close
+        self.method, self.path, self.body, self.headers = method, path, body, headers
+        self.resp = None
+        self.status = None
+        self.resp_headers = {}
+
+    def send(self):
+        self.conn.request(self.method, self.path, body=self.body, headers=self.headers)
+        self.resp = self.conn.getresponse()
+        self.status = self.resp.status
+        self.resp_headers = {k.lower(): v for k, v in self.resp.getheaders()}
+        return self
+
+    def read_body(self):
+        return self.resp.read()
+
+    def events(self, max_events=100000):
+        """Yields the data of each server-sent event (str), ending at EOF."""
+        data_lines = []
+        for _ in range(max_events * 8):  # bounded: a few lines per event at most
+            line = self.resp.readline(1 << 20)
+            if not line:
+                if data_lines:
+                    yield "\n".join(data_lines)
+                return
+            line = line.rstrip(b"\r\n")
+            if not line:
+                if data_lines:
+                    yield "\n".join(data_lines)
+                    data_lines = []
+                continue
+            if line.startswith(b":"):
+                continue  # SSE comment / keep-alive
+            field, _, value = line.partition(b":")
+            if value.startswith(b" "):
+                value = value[1:]
+            if field == b"data":
+                data_lines.append(value.decode("utf-8"))
+        raise CheckFailed("stream did not end within the event bound")
+
+    def close(self):
+        for f in (lambda: self.resp and self.resp.close(), self.conn.close, self.sock.close):
+            try:
+                f()
+            except OSError:
+                pass
+
+    def abort(self):
+        """Closes the socket abruptly (RST, no FIN handshake)."""
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+        self.close()
+
+    def interrupt(self):
+        """Unblocks a thread blocked reading this stream (from another thread)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _encode(body):
+    if body is None:
+        return None
+    if isinstance(body, (bytes, bytearray)):
+        return bytes(body)
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    return json.dumps(body).encode("utf-8")
+
+
+def _headers(body, headers, auth):
+    h = {}
+    if body is not None:
+        h["Content-Type"] = "application/json"
+    if auth:
+        h["Authorization"] = f"Bearer {API_KEY}"
+    h.update(headers or {})
+    return {k: v for k, v in h.items() if v is not None}  # a None value removes a default
+
+
+def raw_request(method, path, body=None, headers=None, stream=False, auth=True, port=None):
+    """One HTTP request. Returns Resp, or with stream=True a sent RawStream (caller closes it).
+
+    body: dict/list (sent as JSON), str or bytes (sent as is), or None."""
+    port = port or CTX.port
+    data = _encode(body)
+    hdrs = _headers(data, headers, auth)
+    if stream:
+        st = RawStream(port, method, path, data, hdrs)
+        try:
+            return st.send()
+        except BaseException:
+            st.close()
+            raise
+    conn = http.client.HTTPConnection(HOST, port, timeout=HTTP_TIMEOUT)
+    try:
+        conn.request(method, path, body=data, headers=hdrs)
+        r = conn.getresponse()
+        return Resp(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    finally:
+        conn.close()
+
+
+def expect_json(resp, status=200):
+    check(resp.status == status, f"expected HTTP {status}, got {resp!r}")
+    ctype = resp.headers.get("content-type", "")
+    check(ctype.startswith("application/json"), f"Content-Type {ctype!r}, want application/json")
+    return resp.json()
+
+
+def expect_error(resp, status, params=None):
+    """An OpenAI error body: {"error": {"message", "type", "param", "code"}}; params: allowed
+    values of error.param (a str or a tuple), or None for any."""
+    j = expect_json(resp, status)
+    err = j.get("error") if isinstance(j, dict) else None
+    check(isinstance(err, dict), f"no error object in {j!r}")
+    for k in ("message", "type", "param", "code"):
+        check(k in err, f"error object lacks {k!r}: {err!r}")
+    check(isinstance(err["message"], str) and err["message"], f"empty error message: {err!r}")
+    if params is not None:
+        params = (params,) if isinstance(params, str) else tuple(params)
+        check(err["param"] in params,
+              f"error.param {err['param']!r}, want one of {params}: {err!r}")
+    return err
+
+
+def sse_json_chunks(st, max_events=100000):
+    """Reads a whole SSE stream: returns (list of JSON chunks, saw_done, events after [DONE])."""
+    chunks, done, after = [], False, 0
+    for data in st.events(max_events):
+        if done:
+            after += 1
+            continue
+        if data.strip() == "[DONE]":
+            done = True
+            continue
+        try:
+            chunks.append(json.loads(data))
+        except ValueError:
+            raise CheckFailed(f"stream event is not JSON: {data[:200]!r}")
+    return chunks, done, after
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def parse_metrics_samples(text):
+    """Prometheus text -> list of (name, labels dict, value)."""
+    out = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        labels = {}
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name = line[:brace]
+            i, n = brace + 1, len(line)
+            while i < n and line[i] != "}":  # key="value", with \" \\ \n escapes
+                while i < n and line[i] in ", ":
+                    i += 1
+                if i < n and line[i] == "}":
+                    break
+                eq = line.find("=", i)
+                check(eq != -1, f"bad metrics line {raw!r}")
+                key = line[i:eq].strip()
+                check(eq + 1 < n and line[eq + 1] == '"', f"bad metrics line {raw!r}")
+                j, val = eq + 2, []
+                while j < n and line[j] != '"':
+                    if line[j] == "\\" and j + 1 < n:
+                        val.append({"n": "\n"}.get(line[j + 1], line[j + 1]))
+                        j += 2
+                    else:
+                        val.append(line[j])
+                        j += 1
+                labels[key] = "".join(val)
+                i = j + 1
+            rest = line[i + 1:].split()
+        else:
+            parts = line.split()
+            name, rest = parts[0], parts[1:]
+        check(rest, f"metrics line without a value: {raw!r}")
+        try:
+            value = float(rest[0])  # handles +Inf, -Inf, NaN
+        except ValueError:
+            raise CheckFailed(f"bad metrics value in {raw!r}")
+        out.append((name, labels, value))
+    return out
+
+
+def parse_metrics(text):
+    """Prometheus text -> {name: value summed over label sets}."""
+    d = {}
+    for name, _, value in parse_metrics_samples(text):
+        d[name] = d.get(name, 0.0) + value
+    return d
+
+
+def get_metrics_text():
+    r = raw_request("GET", "/metrics", auth=False)
+    check(r.status == 200, f"/metrics: {r!r}")
+    return r.text()
+
+
+def get_metrics():
+    return parse_metrics(get_metrics_text())
+
+
+def metric(m, name):
+    check(name in m, f"metric {name} missing from /metrics (have: {sorted(m)[:40]})")
+    return m[name]
+
+
+def wait_until(pred, timeout, interval=0.1):
+    """Polls pred() (returning (ok, info)) until ok or timeout; returns (ok, last info)."""
+    deadline = time.monotonic() + timeout
+    ok, info = pred()
+    while not ok and time.monotonic() < deadline:
+        time.sleep(interval)
+        ok, info = pred()
+    return ok, info
+
+
+def idle_state():
+    m = get_metrics()
+    running = metric(m, "torchspeed_requests_running")
+    waiting = metric(m, "torchspeed_requests_waiting")
+    used = metric(m, "torchspeed_kv_blocks_used")
+    return (running == 0 and waiting == 0 and used == 0,
+            f"running={running:g} waiting={waiting:g} kv_blocks_used={used:g}")
+
+
+def wait_idle(timeout=30.0, what="server"):
+    ok, info = wait_until(idle_state, timeout)
+    check(ok, f"{what} not idle after {timeout:g} s: {info}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared state and openai helpers
+
+
+class Ctx:
+    port = None
+    base = None
+    client = None
+    model = None
+    max_len = None
+    proc = None
+
+
+CTX = Ctx()
+
+
+def tokens_for(prompt_len, want):
+    """A max_tokens no larger than want that fits after a prompt of prompt_len tokens."""
+    n = min(want, CTX.max_len - prompt_len)
+    check(n >= 1, f"max_model_len {CTX.max_len} too small for a {prompt_len}-token prompt")
+    return n
+
+
+def complete(prompt, **kw):
+    return CTX.client.completions.create(model=CTX.model, prompt=prompt, **kw)
+
+
+def stream_complete(prompt, **kw):
+    """Streams with the openai client: returns (text, finish_reason of each chunk)."""
+    stream = CTX.client.completions.create(model=CTX.model, prompt=prompt, stream=True, **kw)
+    parts, reasons = [], []
+    try:
+        for chunk in stream:
+            check(chunk.choices, f"stream chunk without choices: {chunk!r}")
+            for c in chunk.choices:
+                check(c.index == 0, f"unexpected choice index {c.index} in a single-choice stream")
+                check(isinstance(c.text, str), f"chunk text is not a str: {c!r}")
+                parts.append(c.text)
+                reasons.append(c.finish_reason)
+    finally:
+        close = getattr(stream, "close", None)
+        if close:
+            close()
+    return "".join(parts), reasons
+
+
+def check_stream_reasons(reasons, want=None):
+    check(reasons, "stream had no chunks")
+    check(reasons[-1] is not None, f"last chunk has no finish_reason: {reasons[-1:]}")
+    check(all(r is None for r in reasons[:-1]),
+          f"finish_reason set before the last chunk: {reasons}")
+    if want is not None:
+        check(reasons[-1] == want, f"stream finish_reason {reasons[-1]!r}, want {want!r}")
+
+
+def completions_body(**kw):
+    body = {"model": CTX.model}
+    body.update(kw)
+    return body
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+def check_health():
+    r = raw_request("GET", "/health", auth=False)
+    j = expect_json(r, 200)
+    check(j.get("status") == "ok", f"/health body {j!r}")
+    r = raw_request("GET", "/metrics", auth=False)
+    check(r.status == 200, f"/metrics without a key: {r!r}")
+    ctype = r.headers.get("content-type", "")
+    check(ctype.startswith("text/plain"), f"/metrics Content-Type {ctype!r}")
+
+
+def check_models():
+    page = CTX.client.models.list()
+    ids = [m.id for m in page.data]
+    check(len(ids) == 1, f"want one model, got {ids}")
+    check(isinstance(ids[0], str) and ids[0], f"bad model id {ids[0]!r}")
+    check(ids[0] == CTX.model, f"client sees {ids[0]!r}, raw request saw {CTX.model!r}")
+    j = expect_json(raw_request("GET", "/v1/models"))
+    check(j.get("object") == "list", f"/v1/models object {j.get('object')!r}")
+    m = j["data"][0]
+    check(m.get("object") == "model", f"model object {m.get('object')!r}")
+    check(m.get("owned_by") == "torchspeed", f"owned_by {m.get('owned_by')!r}")
+    check(isinstance(m.get("max_model_len"), int) and m["max_model_len"] > 0,
+          f"max_model_len {m.get('max_model_len')!r}")
+
+
+def check_completion_greedy():
+    n = tokens_for(4, 20)
+    r = complete("The ", max_tokens=n, temperature=0)
+    check(r.object == "text_completion", f"object {r.object!r}")
+    check(isinstance(r.id, str) and r.id, f"id {r.id!r}")
+    check(isinstance(r.created, int) and r.created > 0, f"created {r.created!r}")
+    check(r.model == CTX.model, f"model {r.model!r}")
+    check(len(r.choices) == 1, f"{len(r.choices)} choices")
+    c = r.choices[0]
+    check(c.index == 0, f"index {c.index}")
+    check(isinstance(c.text, str), f"text is {type(c.text)}")
+    check(c.finish_reason == "length", f"finish_reason {c.finish_reason!r}")
+    check(c.logprobs is None, f"logprobs not requested but present: {c.logprobs!r}")
+    u = r.usage
+    check(u.prompt_tokens == 4, f"prompt_tokens {u.prompt_tokens}, want 4")
+    check(u.completion_tokens == n, f"completion_tokens {u.completion_tokens}, want {n}")
+    check(u.total_tokens == 4 + n, f"total_tokens {u.total_tokens}, want {4 + n}")
+
+
+def check_determinism():
+    n = tokens_for(4, 40)
+    a = complete("The ", max_tokens=n, temperature=0).choices[0].text
+    b = complete("The ", max_tokens=n, temperature=0).choices[0].text
+    check(a == b, f"greedy differs between runs: {a!r} vs {b!r}")
+    a = complete("The ", max_tokens=n, temperature=0.8, seed=7).choices[0].text
+    b = complete("The ", max_tokens=n, temperature=0.8, seed=7).choices[0].text
+    check(a == b, f"seed 7 differs between runs: {a!r} vs {b!r}")
+    texts = {complete("The ", max_tokens=n, temperature=0.8, seed=s).choices[0].text
+             for s in (1, 2, 3)}
+    check(len(texts) >= 2, f"seeds 1, 2, 3 all gave the same {n}-token text: {texts}")
+
+
+def check_topk_topp_greedy():
+    n = tokens_for(4, 20)
+    greedy = complete("The ", max_tokens=n, temperature=0).choices[0].text
+    k1 = complete("The ", max_tokens=n, temperature=0.8, seed=3,
+                  extra_body={"top_k": 1}).choices[0].text
+    check(k1 == greedy, f"top_k=1 {k1!r} != greedy {greedy!r}")
+    p0 = complete("The ", max_tokens=n, temperature=0.8, seed=3, top_p=1e-6).choices[0].text
+    check(p0 == greedy, f"top_p=1e-6 {p0!r} != greedy {greedy!r}")
+
+
+def check_stream_equals_nonstream():
+    n = tokens_for(4, 40)
+    for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
+        full = complete("The ", max_tokens=n, **kw)
+        text, reasons = stream_complete("The ", max_tokens=n, **kw)
+        check(text == full.choices[0].text,
+              f"{kw}: streamed {text!r} != non-streamed {full.choices[0].text!r}")
+        check_stream_reasons(reasons, full.choices[0].finish_reason)
+    # Raw: the wire format itself, including the final [DONE].
+    full = complete("The ", max_tokens=n, temperature=0).choices[0].text
+    st = raw_request("POST", "/v1/completions", completions_body(
+        prompt="The ", max_tokens=n, temperature=0, stream=True), stream=True)
+    try:
+        if st.status != 200:  # the message reads the body: only when failing
+            raise CheckFailed(f"raw stream: HTTP {st.status} {st.read_body()[:300]!r}")
+        ctype = st.resp_headers.get("content-type", "")
+        check(ctype.startswith("text/event-stream"), f"stream Content-Type {ctype!r}")
+        chunks, done, after = sse_json_chunks(st)
+    finally:
+        st.close()
+    check(done, f"raw stream did not end with data: [DONE] ({len(chunks)} chunks, last {chunks[-1:]!r})")
+    check(after == 0, f"{after} events after [DONE]")
+    check(chunks, "raw stream had no chunks")
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    check(text == full, f"raw streamed {text!r} != non-streamed {full!r}")
+    reasons = [ch.get("finish_reason") for c in chunks for ch in c.get("choices", [])]
+    check_stream_reasons(reasons, "length")
+    check(all(c.get("object") == "text_completion" for c in chunks),
+          f"chunk object field: {[c.get('object') for c in chunks][:3]}")
+
+
+def pick_stop(text):
+    """(position, s): an ASCII substring of text whose first occurrence is at position; prefers
+    position >= 5 and 3 characters. None if text has no ASCII character at all."""
+    def ascii_ok(s):
+        return all(0 < ord(ch) < 128 for ch in s)
+    for min_start in (5, 1, 0):
+        for length in (3, 2, 1):
+            for p in range(min_start, len(text) - length + 1):
+                s = text[p:p + length]
+                if ascii_ok(s) and text.find(s) == p:
+                    return p, s
+    return None
+
+
+def check_stop():
+    n = tokens_for(4, 40)
+    t = complete("The ", max_tokens=n, temperature=0).choices[0].text
+    picked = pick_stop(t)
+    check(picked is not None, f"greedy text has no ASCII character to stop on: {t!r}")
+    p, s = picked
+    want = t[:p]
+    for stop in ([s], s):
+        r = complete("The ", max_tokens=n, temperature=0, stop=stop)
+        c = r.choices[0]
+        check(c.text == want, f"stop={stop!r}: text {c.text!r}, want {want!r} (full {t!r})")
+        check(c.finish_reason == "stop", f"stop={stop!r}: finish_reason {c.finish_reason!r}")
+        check(r.usage.completion_tokens <= n, f"completion_tokens {r.usage.completion_tokens}")
+    text, reasons = stream_complete("The ", max_tokens=n, temperature=0, stop=[s])
+    check(s not in text, f"streamed text contains the stop string {s!r}: {text!r}")
+    check(text == want, f"streamed with stop {s!r}: {text!r}, want {want!r} (full {t!r})")
+    check_stream_reasons(reasons, "stop")
+    # A stop string that never occurs changes nothing.
+    absent = [ch * 3 for ch in "~`|^{}<>" if ch not in t][:2]
+    r = complete("The ", max_tokens=n, temperature=0, stop=absent)
+    check(r.choices[0].text == t and r.choices[0].finish_reason == "length",
+          f"absent stop strings changed the output: {r.choices[0].text!r} vs {t!r}")
+
+
+def check_n():
+    n_tok = tokens_for(4, 16)
+    r = complete("The ", n=3, max_tokens=n_tok, temperature=0.8, seed=1)
+    idx = sorted(c.index for c in r.choices)
+    check(idx == [0, 1, 2], f"choice indices {idx}")
+    for c in r.choices:
+        check(isinstance(c.text, str), f"choice {c.index}: text {type(c.text)}")
+        check(c.finish_reason == "length", f"choice {c.index}: finish_reason {c.finish_reason!r}")
+    check(r.usage.completion_tokens == 3 * n_tok,
+          f"completion_tokens {r.usage.completion_tokens}, want 3 x {n_tok} (sum over choices)")
+    check(r.usage.prompt_tokens == 4, f"prompt_tokens {r.usage.prompt_tokens}, want 4")
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    check(len(set(texts)) >= 2, f"n=3 sampled choices are all identical: {texts}")
+    again = complete("The ", n=3, max_tokens=n_tok, temperature=0.8, seed=1)
+    texts2 = [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    check(texts == texts2, f"n=3 seed 1 differs between runs: {texts} vs {texts2}")
+
+
+def check_logprobs():
+    r = complete("The ", max_tokens=5, temperature=0, logprobs=3)
+    c = r.choices[0]
+    lp = c.logprobs
+    check(lp is not None, "logprobs missing")
+    check(lp.tokens is not None and len(lp.tokens) == 5, f"tokens {lp.tokens!r}")
+    check(all(isinstance(t, str) for t in lp.tokens), f"tokens not all str: {lp.tokens!r}")
+    tl = lp.token_logprobs
+    check(tl is not None and len(tl) == 5, f"token_logprobs {tl!r}")
+    check(all(isinstance(x, (int, float)) and x <= 1e-6 for x in tl), f"token_logprobs {tl!r}")
+    top = lp.top_logprobs
+    check(top is not None and len(top) == 5, f"top_logprobs {top!r}")
+    for i, d in enumerate(top):
+        check(isinstance(d, dict) and 1 <= len(d) <= 3, f"top_logprobs[{i}] = {d!r}")
+        check(all(isinstance(v, (int, float)) and v <= 1e-6 for v in d.values()),
+              f"top_logprobs[{i}] values {d!r}")
+        # Greedy picks the most likely token: its logprob is the top one.
+        check(tl[i] >= max(d.values()) - 1e-3,
+              f"greedy token {i} logprob {tl[i]} below the top alternative {d!r}")
+    check(any(len(d) == 3 for d in top), f"no top_logprobs entry has 3 alternatives: {top!r}")
+    off = lp.text_offset
+    check(off is not None and len(off) == 5, f"text_offset {off!r}")
+    check(all(isinstance(o, int) for o in off), f"text_offset {off!r}")
+    check(all(b >= a for a, b in zip(off, off[1:])), f"text_offset not increasing: {off}")
+    if all(ord(ch) < 128 for ch in c.text) and all(ord(ch) < 128 for t in lp.tokens for ch in t):
+        check("".join(lp.tokens) == c.text, f"tokens {lp.tokens!r} do not spell {c.text!r}")
+        check(all(b > a for a, b in zip(off, off[1:])), f"text_offset not increasing: {off}")
+
+
+def check_echo():
+    r = complete("Hello", max_tokens=3, temperature=0, echo=True)
+    t = r.choices[0].text
+    check(t.startswith("Hello"), f"echo text {t!r} does not start with the prompt")
+    check(r.usage.completion_tokens == 3, f"completion_tokens {r.usage.completion_tokens}")
+    plain = complete("Hello", max_tokens=3, temperature=0).choices[0].text
+    check(t == "Hello" + plain, f"echo {t!r} != prompt + completion {'Hello' + plain!r}")
+
+
+def check_token_id_prompt():
+    n = tokens_for(5, 12)
+    a = complete("Hello", max_tokens=n, temperature=0)
+    b = complete([72, 101, 108, 108, 111], max_tokens=n, temperature=0)
+    check(a.choices[0].text == b.choices[0].text,
+          f"token ids gave {b.choices[0].text!r}, string gave {a.choices[0].text!r}")
+    check(b.usage.prompt_tokens == 5, f"prompt_tokens {b.usage.prompt_tokens}, want 5")
+
+
+def check_prompt_list():
+    n = tokens_for(1, 8)
+    single = {p: complete(p, max_tokens=n, temperature=0).choices[0].text for p in ("A", "B")}
+    for prompt in (["A", "B"], [[65], [66]]):
+        r = complete(prompt, max_tokens=n, temperature=0)
+        by_index = {c.index: c.text for c in r.choices}
+        check(sorted(by_index) == [0, 1], f"prompt {prompt!r}: indices {sorted(by_index)}")
+        check(by_index[0] == single["A"] and by_index[1] == single["B"],
+              f"prompt {prompt!r}: {by_index} vs one at a time {single}")
+        check(r.usage.prompt_tokens == 2,
+              f"prompt {prompt!r}: prompt_tokens {r.usage.prompt_tokens}")
+        check(r.usage.completion_tokens == 2 * n,
+              f"prompt {prompt!r}: completion_tokens {r.usage.completion_tokens}, want {2 * n}")
+
+
+def check_chat():
+    msgs = [{"role": "user", "content": "Hi"}]
+    try:  # learn the templated prompt length first: the test model's context can be short
+        probe = CTX.client.chat.completions.create(model=CTX.model, messages=msgs, max_tokens=1,
+                                                   temperature=0)
+    except openai.BadRequestError as e:
+        raise CheckFailed(f"chat with max_tokens=1 rejected (template longer than "
+                          f"max_model_len {CTX.max_len}?): {e}")
+    n = tokens_for(probe.usage.prompt_tokens, 10)
+    r = CTX.client.chat.completions.create(model=CTX.model, messages=msgs, max_tokens=n,
+                                           temperature=0)
+    check(r.object == "chat.completion", f"object {r.object!r}")
+    check(len(r.choices) == 1 and r.choices[0].index == 0, f"choices {r.choices!r}")
+    m = r.choices[0].message
+    check(m.role == "assistant", f"role {m.role!r}")
+    check(isinstance(m.content, str), f"content {m.content!r}")
+    check(r.choices[0].finish_reason in ("stop", "length"),
+          f"finish_reason {r.choices[0].finish_reason!r}")
+    check(r.usage.completion_tokens <= n, f"completion_tokens {r.usage.completion_tokens} > {n}")
+    stream = CTX.client.chat.completions.create(model=CTX.model, messages=msgs, max_tokens=n,
+                                                temperature=0, stream=True)
+    parts, reasons, roles = [], [], []
+    try:
+        for chunk in stream:
+            check(chunk.object == "chat.completion.chunk", f"chunk object {chunk.object!r}")
+            for c in chunk.choices:
+                if c.delta.role is not None:
+                    roles.append(c.delta.role)
+                parts.append(c.delta.content or "")
+                reasons.append(c.finish_reason)
+    finally:
+        close = getattr(stream, "close", None)
+        if close:
+            close()
+    check(all(x == "assistant" for x in roles), f"delta roles {roles}")
+    text = "".join(parts)
+    check(text == m.content, f"streamed chat {text!r} != non-streamed {m.content!r}")
+    check_stream_reasons(reasons, r.choices[0].finish_reason)
+
+
+def check_bad_fields():
+    try:
+        complete("Hi", max_tokens=2, temperature=-1)
+        raise CheckFailed("temperature=-1 accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "temperature", f"openai error param {e.param!r}, want 'temperature'")
+    expect_error(raw_request("POST", "/v1/completions", completions_body(
+        prompt="Hi", max_tokens=2, temperature=-1)), 400, "temperature")
+    expect_error(raw_request("POST", "/v1/completions", completions_body(
+        prompt="Hi", max_tokens="x")), 400, "max_tokens")
+    for bad in (b'{"model": "x", "prompt": ', b"not json", b""):
+        expect_error(raw_request("POST", "/v1/completions", bad), 400)
+    expect_error(raw_request("POST", "/v1/chat/completions", b'{"messages": [}'), 400)
+    try:
+        CTX.client.completions.create(model=CTX.model + "-nope", prompt="Hi", max_tokens=2)
+        raise CheckFailed("an unknown model was accepted")
+    except openai.NotFoundError as e:
+        check(e.param == "model", f"unknown model: error param {e.param!r}, want 'model'")
+    expect_error(raw_request("POST", "/v1/completions", {
+        "model": CTX.model + "-nope", "prompt": "Hi", "max_tokens": 2}), 404, "model")
+    # Unknown fields are refused by name, as OpenAI's API refuses them (never accepted and ignored).
+    expect_error(raw_request("POST", "/v1/completions", completions_body(
+        prompt="Hi", max_tokens=2, temperature=0, foo=1)), 400, "foo")
+    try:
+        complete("Hi", max_tokens=2, temperature=0, extra_body={"foo": {"bar": [1, 2]}})
+        raise CheckFailed("an unknown field was accepted through the client")
+    except openai.BadRequestError as e:
+        check(e.param == "foo", f"unknown field: error param {e.param!r}, want 'foo'")
+
+
+def check_bad_ranges():
+    # Out-of-range values of fields the spec bounds; each names its field.
+    cases = [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": CTX.max_len + 1}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": [72, 300]}, "prompt"),  # vocab is 256: token 300 does not exist
+        ({"prompt": [72, -1]}, "prompt"),
+    ]
+    for fields, param in cases:
+        body = completions_body(prompt="Hi", max_tokens=2)
+        body.update(fields)
+        expect_error(raw_request("POST", "/v1/completions", body), 400, param)
+    # The server survives all of these.
+    r = complete("Hi", max_tokens=2, temperature=0)
+    check(r.usage.completion_tokens == 2, "completion after bad requests")
+
+
+def check_overlong_prompt():
+    L = CTX.max_len
+    try:
+        complete("a" * (L + 10), max_tokens=1)
+        raise CheckFailed(f"a {L + 10}-token prompt was accepted (max_model_len {L})")
+    except openai.BadRequestError as e:
+        check(e.param in ("prompt", "max_tokens"), f"error param {e.param!r}")
+    expect_error(raw_request("POST", "/v1/completions", completions_body(
+        prompt=[97] * (L + 10), max_tokens=1)), 400, ("prompt", "max_tokens"))
+    # Boundary: prompt_tokens + max_tokens == max_model_len fits, one more does not.
+    r = complete("a" * (L - 4), max_tokens=4, temperature=0)
+    check(r.usage.prompt_tokens == L - 4 and r.usage.completion_tokens == 4,
+          f"exactly max_model_len tokens: usage {r.usage!r}")
+    check(r.choices[0].finish_reason == "length", f"finish_reason {r.choices[0].finish_reason!r}")
+    expect_error(raw_request("POST", "/v1/completions", completions_body(
+        prompt="a" * (L - 4), max_tokens=5)), 400, ("prompt", "max_tokens"))
+
+
+def check_auth():
+    chat = completions_body(messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    for method, path, body in (("GET", "/v1/models", None),
+                               ("POST", "/v1/completions", completions_body(prompt="Hi", max_tokens=1)),
+                               ("POST", "/v1/chat/completions", chat)):
+        expect_error(raw_request(method, path, body, auth=False), 401)
+        wrong = {"Authorization": "Bearer wrong"}
+        expect_error(raw_request(method, path, body, headers=wrong), 401)
+        expect_error(raw_request(method, path, body, headers={"Authorization": API_KEY}), 401)
+    bad = OpenAI(base_url=CTX.base, api_key="wrong-key", timeout=HTTP_TIMEOUT, max_retries=0)
+    try:
+        bad.completions.create(model=CTX.model, prompt="Hi", max_tokens=1)
+        raise CheckFailed("a wrong API key was accepted")
+    except openai.AuthenticationError:
+        pass
+    finally:
+        bad.close()
+    for path in ("/health", "/metrics"):
+        r = raw_request("GET", path, auth=False)
+        check(r.status == 200, f"{path} without a key: {r!r}")
+
+
+def _retry_after_ok(v):
+    if v is None or not v.strip():
+        return False
+    v = v.strip()
+    return v.isdigit() or email.utils.parsedate(v) is not None
+
+
+def _burst(count, max_tokens):
+    """Sends count streaming requests at once; returns a list of (status, headers, body/None)."""
+    body = completions_body(prompt="Hi", max_tokens=max_tokens, temperature=1.0, stream=True)
+    data = _encode(body)
+    hdrs = _headers(data, None, True)
+    streams = [RawStream(CTX.port, "POST", "/v1/completions", data, hdrs) for _ in range(count)]
+    results = [None] * count
+    start = threading.Barrier(count, timeout=HTTP_TIMEOUT)
+    release = threading.Event()
+
+    def worker(i):
+        st = streams[i]
+        try:
+            start.wait()
+            st.send()
+            if st.status == 200:
+                results[i] = (200, st.resp_headers, None)  # the stream is left unread
+            else:
+                results[i] = (st.status, st.resp_headers, st.read_body())
+        except Exception as e:  # noqa: BLE001 - recorded and reported
+            results[i] = ("error", {}, repr(e))
+        release.wait(HTTP_TIMEOUT + 10)  # hold every connection open until all have answered
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(count)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + HTTP_TIMEOUT + 5
+        while time.monotonic() < deadline and any(r is None for r in results):
+            time.sleep(0.05)
+    finally:
+        release.set()
+        for i, st in enumerate(streams):  # close early, abruptly (RST)
+            if results[i] is None:
+                st.interrupt()  # unblocks a thread still waiting for its answer
+            st.abort()
+        for t in threads:
+            t.join(timeout=10)
+    return results
+
+
+def check_full_queue_429():
+    count = 2 * (MAX_QUEUE + MAX_NUM_SEQS)  # 16 requests, room for 4 running + 4 waiting
+    max_tokens = tokens_for(2, CTX.max_len - 8)
+    seen_429, summary = False, []
+    for attempt in range(3):  # a small model can finish requests fast; retry the burst
+        wait_idle(30.0, "before the burst")
+        results = _burst(count, max_tokens)
+        statuses = [r[0] if r else "no answer" for r in results]
+        summary.append(statuses)
+        for status, headers, payload in (r for r in results if r):
+            check(status in (200, 429), f"burst attempt {attempt}: a request got {status} "
+                  f"{payload!r:.300}; all: {statuses}")
+            if status == 429:
+                check(_retry_after_ok(headers.get("retry-after")),
+                      f"429 without a valid Retry-After header: {headers}")
+                try:
+                    err = json.loads(payload).get("error")
+                except (ValueError, TypeError, AttributeError):
+                    err = None
+                check(isinstance(err, dict), f"429 body is not an OpenAI error: {payload!r:.300}")
+            else:
+                check(headers.get("content-type", "").startswith("text/event-stream"),
+                      f"200 stream Content-Type {headers.get('content-type')!r}")
+        check(all(r is not None for r in results), f"some requests got no answer: {statuses}")
+        check(200 in statuses, f"every request was rejected: {statuses}")
+        if 429 in statuses:
+            seen_429 = True
+            break
+    check(seen_429, f"no 429 with {count} concurrent requests, room for "
+          f"{MAX_NUM_SEQS}+{MAX_QUEUE}: {summary}")
+    ok, info = wait_until(idle_state, 30.0)  # aborted streams leave nothing behind
+    check(ok, f"30 s after closing the burst: {info}")
+    r = complete("Hi", max_tokens=2, temperature=0)
+    check(r.usage.completion_tokens == 2, "completion after the burst")
+
+
+def check_disconnect_frees_blocks():
+    wait_idle(30.0, "before the request")
+    max_tokens = tokens_for(2, CTX.max_len - 8)
+    st = raw_request("POST", "/v1/completions", completions_body(
+        prompt="Hi", max_tokens=max_tokens, temperature=1.0, stream=True), stream=True)
+    try:
+        if st.status != 200:  # the message reads the body: only when failing
+            raise CheckFailed(f"stream: HTTP {st.status} {st.read_body()[:300]!r}")
+        got = 0
+        for _ in st.events():
+            got += 1
+            if got == 2:
+                break
+        check(got == 2, f"stream ended after {got} events")
+    finally:
+        st.abort()
+    ok, info = wait_until(idle_state, 10.0)
+    check(ok, f"10 s after the client disconnected: {info}")
+    r = complete("Hi", max_tokens=2, temperature=0)
+    check(r.usage.completion_tokens == 2, "completion after the disconnect")
+
+
+def check_metrics():
+    before = get_metrics()
+    for name in ("torchspeed_requests_running", "torchspeed_requests_waiting",
+                 "torchspeed_kv_blocks_used", "torchspeed_kv_blocks_free",
+                 "torchspeed_kv_blocks_total", "torchspeed_generated_tokens_total",
+                 "torchspeed_prompt_tokens_total", "torchspeed_requests_total"):
+        metric(before, name)
+    n = tokens_for(4, 6)
+    _, reasons = stream_complete("The ", max_tokens=n, temperature=0)  # feeds TTFT / ITL too
+    check_stream_reasons(reasons, "length")
+    r = complete("The ", max_tokens=n, temperature=0)
+    check(r.usage.completion_tokens == n, "completion")
+    want_requests = before["torchspeed_requests_total"] + 2
+    ok, _ = wait_until(lambda: (metric(get_metrics(), "torchspeed_requests_total") >= want_requests,
+                                None), 5.0)
+    text = get_metrics_text()
+    m = parse_metrics(text)
+    check(ok, f"requests_total {m['torchspeed_requests_total']:g} did not grow by 2 from "
+          f"{before['torchspeed_requests_total']:g}")
+    gen_before = before["torchspeed_generated_tokens_total"]
+    check(m["torchspeed_generated_tokens_total"] >= gen_before + 2 * n,
+          "generated_tokens_total did not grow by the tokens just generated")
+    check(m["torchspeed_prompt_tokens_total"] >= before["torchspeed_prompt_tokens_total"] + 8,
+          "prompt_tokens_total did not grow by the prompts just sent")
+    check(m["torchspeed_generated_tokens_total"] > 0, "no generated tokens counted")
+    samples = parse_metrics_samples(text)
+    for h in ("torchspeed_time_to_first_token_seconds", "torchspeed_inter_token_latency_seconds"):
+        count = metric(m, h + "_count")
+        metric(m, h + "_sum")
+        check(count > 0, f"{h}_count is {count:g}")
+        series = {}  # label set without le -> [(le, value)]
+        for name, lab, v in samples:
+            if name == h + "_bucket":
+                check("le" in lab, f"{h}_bucket without le: {lab}")
+                key = tuple(sorted((k, x) for k, x in lab.items() if k != "le"))
+                series.setdefault(key, []).append((float(lab["le"]), v))
+        check(series, f"{h}_bucket missing")
+        inf_total = 0.0
+        for key, buckets in series.items():
+            buckets.sort()
+            check(buckets[-1][0] == float("inf"), f"{h}{dict(key)}: no le=\"+Inf\" bucket")
+            vals = [v for _, v in buckets]
+            check(all(b >= a for a, b in zip(vals, vals[1:])),
+                  f"{h}{dict(key)}: buckets not cumulative {buckets}")
+            inf_total += vals[-1]
+        check(inf_total == count, f"{h}: +Inf buckets {inf_total:g} != _count {count:g}")
+    used, free, total = (m["torchspeed_kv_blocks_used"], m["torchspeed_kv_blocks_free"],
+                         m["torchspeed_kv_blocks_total"])
+    check(total > 0, f"kv_blocks_total {total:g}")
+    check(used + free == total, f"kv blocks used {used:g} + free {free:g} != total {total:g}")
+
+
+CHECKS = [
+    ("health", check_health),
+    ("models", check_models),
+    ("completion_greedy", check_completion_greedy),
+    ("determinism", check_determinism),
+    ("topk_topp_greedy", check_topk_topp_greedy),
+    ("stream_equals_nonstream", check_stream_equals_nonstream),
+    ("stop", check_stop),
+    ("n", check_n),
+    ("logprobs", check_logprobs),
+    ("echo", check_echo),
+    ("token_id_prompt", check_token_id_prompt),
+    ("prompt_list", check_prompt_list),
+    ("chat", check_chat),
+    ("bad_fields", check_bad_fields),
+    ("bad_ranges", check_bad_ranges),
+    ("overlong_prompt", check_overlong_prompt),
+    ("auth", check_auth),
+    ("full_queue_429", check_full_queue_429),
+    ("disconnect_frees_blocks", check_disconnect_frees_blocks),
+    ("metrics", check_metrics),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Server process
+
+
+def free_port():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _die_with_parent():
+    """In the child: SIGTERM when the test process dies (e.g. killed by a CTest timeout)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort, Linux only
+        pass
+
+
+def start_server(args, port, log):
+    cmd = [args.torchspeed, "serve", "--checkpoint", args.model_dir, "--host", HOST,
+           "--port", str(port), "--api-key", API_KEY, "--max-queue", str(MAX_QUEUE),
+           "--max-num-seqs", str(MAX_NUM_SEQS)]
+    if args.tp > 1:
+        cmd += ["-n", str(args.tp), "--tp", str(args.tp)]
+    print("server: " + " ".join(cmd), flush=True)
+    linux = sys.platform.startswith("linux")
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=_die_with_parent if linux else None)
+
+
+def wait_healthy(proc, port):
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"server exited with status {proc.returncode} while starting"
+        try:
+            r = raw_request("GET", "/health", auth=False, port=port)
+            if r.status == 200:
+                return None
+            check(r.status == 503, f"/health while loading: {r!r} (want 503 or 200)")
+            last = f"HTTP {r.status}"
+        except CheckFailed as e:
+            return str(e)
+        except (OSError, http.client.HTTPException) as e:
+            last = repr(e)
+        time.sleep(0.25)
+    return f"/health not 200 after {STARTUP_TIMEOUT:g} s (last: {last})"
+
+
+def live_group_members(pgid):
+    """Pids of non-zombie processes in process group pgid (Linux /proc); [] if unknown."""
+    pids = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
+            pids.append(int(e))
+    return pids
+
+
+def kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def stop_server(proc):
+    """SIGTERM, wait up to SHUTDOWN_TIMEOUT, else SIGKILL. Returns None or a failure reason."""
+    if proc.poll() is not None:
+        return f"server had already exited with status {proc.returncode}"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=SHUTDOWN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        return f"server still running {SHUTDOWN_TIMEOUT:g} s after SIGTERM (killed)"
+    def group_gone():
+        left = live_group_members(proc.pid)
+        return not left, left
+    ok, left = wait_until(group_gone, 5.0)
+    if not ok:
+        kill_group(proc)
+        return f"server exited ({rc}) but left processes {left} running (killed)"
+    if rc != 0:
+        return f"server exited with status {rc} after SIGTERM, want 0"
+    return None
+
+
+def log_tail(path, lines=80):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def run_check(name, fn):
+    if CTX.proc.poll() is not None:
+        return f"server is not running (exited with status {CTX.proc.returncode})"
+    try:
+        fn()
+        return None
+    except CheckFailed as e:
+        return str(e)
+    except openai.APIStatusError as e:
+        return f"unexpected HTTP {e.status_code} from the server: {e.message}"
+    except Exception as e:  # noqa: BLE001 - every failure becomes a FAIL line
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" at line {tb[-1].lineno}" if tb else ""
+        return f"{type(e).__name__}: {e}{where}"
+
+
+def _on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # unwinds through main's finally, which stops the server
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--torchspeed", required=True, help="the torchspeed executable")
+    ap.add_argument("--model-dir", required=True, help="checkpoint directory to serve")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (adds -n N --tp N)")
+    ap.add_argument("--only", default="", help="comma-separated check names to run")
+    ap.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    args = ap.parse_args()
+
+    checks = CHECKS
+    if args.only:
+        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = [w for w in wanted if w not in dict(CHECKS)]
+        if unknown:
+            print(f"unknown checks {unknown}; known: {[n for n, _ in CHECKS]}", flush=True)
+            return 2
+        checks = [(n, f) for n, f in CHECKS if n in wanted]
+
+    # The client must reach 127.0.0.1 directly, whatever proxy the environment names.
+    no_proxy = ",".join(x for x in (os.environ.get("NO_PROXY"), "127.0.0.1", "localhost") if x)
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = no_proxy
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    if args.log:
+        log_path = args.log
+        log = open(log_path, "wb")
+    else:
+        fd, log_path = tempfile.mkstemp(prefix=f"torchspeed-serve-tp{args.tp}-", suffix=".log")
+        log = os.fdopen(fd, "wb")
+    print(f"server log: {log_path}", flush=True)
+
+    CTX.port = free_port()
+    CTX.base = f"http://{HOST}:{CTX.port}/v1"
+    failed, ran = [], 0
+    proc = None
+    try:
+        try:
+            proc = CTX.proc = start_server(args, CTX.port, log)
+        except OSError as e:
+            print(f"FAIL startup: cannot run {args.torchspeed}: {e}", flush=True)
+            failed.append("startup")
+            return 1
+        why = wait_healthy(proc, CTX.port)
+        if why:
+            print(f"FAIL startup: {why}", flush=True)
+            failed.append("startup")
+            return 1
+        try:
+            j = expect_json(raw_request("GET", "/v1/models"))
+            CTX.model = j["data"][0]["id"]
+            CTX.max_len = int(j["data"][0]["max_model_len"])
+        except Exception as e:  # noqa: BLE001
+            print(f"FAIL setup: GET /v1/models: {type(e).__name__}: {e}", flush=True)
+            failed.append("setup")
+            return 1
+        print(f"model {CTX.model!r}, max_model_len {CTX.max_len}, port {CTX.port}", flush=True)
+        CTX.client = OpenAI(base_url=CTX.base, api_key=API_KEY, timeout=HTTP_TIMEOUT, max_retries=0)
+
+        for name, fn in checks:
+            t0 = time.monotonic()
+            why = run_check(name, fn)
+            ran += 1
+            if why:
+                failed.append(name)
+                print(f"FAIL {name}: {why}", flush=True)
+            else:
+                print(f"PASS {name}", flush=True)
+            took = time.monotonic() - t0
+            if took > 5:
+                print(f"  ({name} took {took:.1f} s)", flush=True)
+
+        ran += 1
+        why = stop_server(proc)
+        if why:
+            failed.append("graceful_shutdown")
+            print(f"FAIL graceful_shutdown: {why}", flush=True)
+        else:
+            print("PASS graceful_shutdown", flush=True)
+    except KeyboardInterrupt:
+        print("FAIL interrupted", flush=True)
+        failed.append("interrupted")
+    finally:
+        if CTX.client is not None:
+            try:
+                CTX.client.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if proc is not None and proc.poll() is None:
+            why = stop_server(proc)
+            if why:
+                print(f"(cleanup) {why}", flush=True)
+        log.close()
+        if failed:
+            print(f"--- last lines of the server log {log_path} ---", flush=True)
+            print(log_tail(log_path), flush=True)
+            print("--- end of server log ---", flush=True)
+        elif not args.log:
+            try:
+                os.unlink(log_path)
+            except OSError:
+                pass
+
+    if failed:
+        print(f"{len(failed)} of {ran} checks failed: {', '.join(failed)}", flush=True)
+        return 1
+    print(f"all {ran} checks passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+// `torchspeed serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [-n N --tp N] ...`: an
+// OpenAI-compatible server for a trained GPT. With --tp N the weights are split over N ranks
+// (launched here under mpirun): rank 0 runs HTTP and the scheduler, every rank runs the
+// forward. SIGTERM or Ctrl-C drains: running requests finish, new ones get 503, exit 0.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "commands.h"
+#include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/comm/communicator.h"
+#include "torchspeed/inference/engine.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/runtime/logging.h"
+#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/serve/server.h"
+
+namespace torchspeed::cli {
+namespace {
+
+struct ServeOpts {
+  std::string checkpoint, host = "127.0.0.1", api_key, model_name, weights = "fp32", stop_file;
+  int port = 8000, ranks = 1, tp = 1, http_threads = 64;
+  double kv_mb = 256;
+  int64_t block_size = 16, max_num_seqs = 16, max_batched_tokens = 256, max_queue = 64, max_tokens = 0, max_n = 16;
+  int64_t max_body = 1 << 20;
+};
+
+// SIGTERM / SIGINT, or the stop file the launching CLI writes when it gets one.
+std::atomic<bool> g_stop{false};
+void watch_signals(const std::string& stop_file) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set, stop_file] {
+    while (!g_stop) {
+      timespec ts{0, 200 * 1000 * 1000};
+      if (sigtimedwait(&set, nullptr, &ts) > 0) g_stop = true;
+      if (!stop_file.empty() && std::filesystem::exists(stop_file)) g_stop = true;
+    }
+  }).detach();
+}
+
+std::string default_name(const std::string& path) {
+  std::filesystem::path p(path);
+  if (p.filename().empty()) p = p.parent_path();
+  std::string n = p.stem().string();
+  return n.empty() ? "torchspeed-gpt" : n;
+}
+
+}  // namespace
+
+Runner add_serve(CLI::App& app, const Invocation& inv) {
+  auto* cmd = app.add_subcommand("serve", "Serve a trained GPT over an OpenAI-compatible HTTP API");
+  auto o = std::make_shared<ServeOpts>();
+  cmd->add_option("--checkpoint", o->checkpoint, "What `generate` loads: a run folder, training checkpoint, model folder or .safetensors")->required();
+  cmd->add_option("--host", o->host, "Address to bind (default 127.0.0.1: this machine only)");
+  cmd->add_option("--port", o->port, "TCP port (0: any free port, printed)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--api-key", o->api_key, "Require \"Authorization: Bearer KEY\" on /v1/* (default: TORCHSPEED_API_KEY, else none)");
+  cmd->add_option("--served-model-name", o->model_name, "The model id clients send (default: the checkpoint's folder name)");
+  cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16 or int8 (weight-only, per-channel scales)")->check(CLI::IsMember({"fp32", "bf16", "int8"}));
+  cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank")->check(CLI::Range(0.01, 1e7));
+  cmd->add_option("--block-size", o->block_size, "Tokens per KV block")->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "Sequences batched in one forward pass")->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-batched-tokens", o->max_batched_tokens, "Token budget of one forward pass (decodes + prompt chunks)")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--max-queue", o->max_queue, "Waiting sequences before requests get 429")->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--max-tokens", o->max_tokens, "Largest max_tokens a request may ask (0: the context)")->check(CLI::Range(0, 1 << 30));
+  cmd->add_option("--max-n", o->max_n, "Most choices (prompts x n) in one request")->check(CLI::Range(1, 1024));
+  cmd->add_option("--max-body-bytes", o->max_body, "Largest request body (413 beyond)")->check(CLI::Range(1024, 1 << 30));
+  cmd->add_option("--http-threads", o->http_threads, "Connections served at once")->check(CLI::Range(2, 4096));
+  cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun (equal to --tp)")->check(CLI::Range(1, 1024));
+  cmd->add_option("--tp", o->tp, "Tensor-parallel ranks the weights are split over")->check(CLI::Range(1, 1024));
+  cmd->add_option("--stop-file", o->stop_file, "Drain and exit when this file appears")->group("");
+  return [o, &inv]() -> int {
+    TS_CHECK(o->ranks == o->tp || (launcher::under_launcher() && o->ranks == 1),
+             "serve: -n ", o->ranks, " and --tp ", o->tp, " differ; every rank serves one tensor-parallel slice, give both the same value");
+    if (o->api_key.empty()) {
+      if (const char* k = std::getenv("TORCHSPEED_API_KEY")) o->api_key = k;
+    }
+    if (o->model_name.empty()) o->model_name = default_name(o->checkpoint);
+    const inference::WeightFormat fmt = inference::parse_weight_format(o->weights);
+    inference::EngineOptions eo = inference::EngineOptions()
+                                      .max_num_seqs(o->max_num_seqs)
+                                      .max_num_batched_tokens(o->max_batched_tokens)
+                                      .max_queue(o->max_queue)
+                                      .kv(inference::KVCacheOptions().block_size(o->block_size).budget_mb(o->kv_mb));
+    if (!launcher::under_launcher() && o->ranks > 1) {
+      const std::string stop = (std::filesystem::temp_directory_path() / ("torchspeed-serve-" + std::to_string(::getpid()) + ".stop")).string();
+      std::filesystem::remove(stop);
+      launcher::LaunchOptions lo;
+      lo.num_ranks = o->ranks;
+      lo.program = {inv.self_path, "serve", "--checkpoint", o->checkpoint, "--host", o->host, "--port", std::to_string(o->port),
+                    "--served-model-name", o->model_name, "--weights", o->weights, "--kv-cache-mb", std::to_string(o->kv_mb),
+                    "--block-size", std::to_string(o->block_size), "--max-num-seqs", std::to_string(o->max_num_seqs),
+                    "--max-batched-tokens", std::to_string(o->max_batched_tokens), "--max-queue", std::to_string(o->max_queue),
+                    "--max-tokens", std::to_string(o->max_tokens), "--max-n", std::to_string(o->max_n),
+                    "--max-body-bytes", std::to_string(o->max_body), "--http-threads", std::to_string(o->http_threads),
+                    "--tp", std::to_string(o->tp), "--stop-file", stop};
+      // The key travels in the environment, not on a command line others can read.
+      if (!o->api_key.empty()) lo.extra_env.push_back("TORCHSPEED_API_KEY=" + o->api_key);
+      std::fflush(stdout);
+      const int rc = launcher::run_command_shielded(launcher::build_command(lo, launcher::LaunchContext::current()),
+                                                    [stop] { std::ofstream(stop) << "stop\n"; });
+      std::filesystem::remove(stop);
+      return rc;
+    }
+    ::signal(SIGPIPE, SIG_IGN);
+    watch_signals(o->stop_file);  // before any thread exists
+    const Runtime& rt = init();
+    TS_CHECK(rt.world_size == o->tp, "serve: ", rt.world_size, " ranks were launched for --tp ", o->tp);
+    comm::CommunicatorPtr tp = rt.world_size > 1 ? comm::Communicator::world() : nullptr;
+    if (!rt.is_rank0()) {
+      auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp);
+      inference::Engine::follow(*model, eo, tp);
+      return 0;
+    }
+    serve::Server server(serve::ServerOptions()
+                             .host(o->host)
+                             .port(o->port)
+                             .api_key(o->api_key)
+                             .model_name(o->model_name)
+                             .max_body_bytes(o->max_body)
+                             .max_tokens(o->max_tokens)
+                             .max_n(o->max_n)
+                             .http_threads(o->http_threads));
+    server.start();
+    std::printf("torchspeed serve: listening on http://%s:%d (loading %s)\n", o->host.c_str(), server.port(), o->checkpoint.c_str());
+    std::fflush(stdout);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp);
+    inference::Engine engine(model, eo, tp);
+    engine.start();
+    server.set_engine(&engine);
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights, tp %d), context %lld, KV cache %.0f MB (%lld blocks of %lld tokens)\n",
+                load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), o->tp,
+                static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0,
+                static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
+    std::fflush(stdout);
+    while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::printf("torchspeed serve: stopping: finishing %lld running and %lld waiting requests\n",
+                static_cast<long long>(engine.stats().running), static_cast<long long>(engine.stats().waiting));
+    std::fflush(stdout);
+    server.shutdown();
+    std::printf("torchspeed serve: stopped\n");
+    return 0;
+  };
+}
+
+}  // namespace torchspeed::cli
