@@ -60,5 +60,7 @@ int run_tp(const BenchArgs& args);
 // `self`: this executable, to launch the 2-rank engine part (run_train_engine_part) with.
 int run_train(const BenchArgs& args, const std::string& self);
 int run_train_engine_part(const BenchArgs& args);
+// `self`: this executable, run as `serve` in child processes.
+int run_serve(const BenchArgs& args, const std::string& self);
 
 }  // namespace torchspeed::bench

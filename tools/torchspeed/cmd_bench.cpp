@@ -12,7 +12,7 @@
 namespace torchspeed::cli {
 
 Runner add_bench(CLI::App& app, const Invocation& inv) {
-  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm, adam, memory, overlap, train, checkpoint, pipeline, tp");
+  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm, adam, memory, overlap, train, checkpoint, pipeline, tp, serve");
   struct Opts {
     std::string name;
     int ranks = 0;  // 0: the benchmark's own rank count
@@ -20,7 +20,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     bool engine_part = false;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm", "adam", "memory", "overlap", "train", "checkpoint", "pipeline", "tp"}));
+  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm", "adam", "memory", "overlap", "train", "checkpoint", "pipeline", "tp", "serve"}));
   cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
   cmd->add_option("--json", o->args.json_path, "Write the results as JSON to FILE");
   cmd->add_flag("--quick", o->args.quick, "Fewer sizes and repetitions (smoke run)");
@@ -31,6 +31,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
              "--engine-part and --spec belong to bench train's own ranks, not to bench ", o->name);
     TS_CHECK(!o->engine_part || !o->args.spec.empty(), "bench train --engine-part needs --spec");
     if (o->name == "train" && !o->engine_part) return bench::run_train(o->args, inv.self_path);  // launches its ranks
+    if (o->name == "serve") return bench::run_serve(o->args, inv.self_path);  // starts its servers
     if (o->ranks == 0) o->ranks = o->name == "memory" || o->name == "tp" ? 4 : o->name == "adam" ? 1 : 2;
     if (!launcher::under_launcher() && o->ranks > 1) {
       launcher::LaunchOptions lo;

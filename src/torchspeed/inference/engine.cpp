@@ -325,6 +325,12 @@ void Engine::publish_stats() {
   stats_.blocks_free = pool_.free();
   stats_.blocks_total = pool_.total();
   stats_.block_size = cache_->block_size();
+  if (tp_) {
+    for (const auto& [name, st] : tp_->stats()) {
+      stats_.tp_collectives += static_cast<uint64_t>(st.ops);
+      stats_.tp_bytes += static_cast<uint64_t>(st.bytes);
+    }
+  }
 }
 
 void Engine::run_until_idle() {

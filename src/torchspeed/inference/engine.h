@@ -66,6 +66,7 @@ struct EngineStats {
   uint64_t requests_finished = 0, prompt_tokens = 0, generated_tokens = 0, preemptions = 0, steps = 0;
   Histogram ttft, itl;
   double busy_seconds = 0;  // time spent in forward passes and sampling
+  uint64_t tp_collectives = 0, tp_bytes = 0;  // this rank's ops on the tensor-parallel group
 };
 
 class Engine {

@@ -82,21 +82,29 @@ TS_AVX512 inline __m512 load_w(const int8_t* p, __mmask16 m) {
 }
 
 // out[r] = dot(x + r * K, w) for R rows; the same instructions for each row whatever R is.
+// Four accumulators per row (consecutive 16-wide blocks rotate over them) hide the FMA latency
+// even for one row; they are summed in a fixed order at the end.
 template <class WT, int R>
 TS_AVX512 void dot_rows_avx512(const float* x, int64_t K, const WT* w, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
+  }
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 wv = load_w(w + k, static_cast<__mmask16>(0xFFFF));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wv, acc[r]);
+  for (; k + 64 <= K; k += 64) {
+    for (int u = 0; u < 4; ++u) {
+      const __m512 wv = load_w(w + k + 16 * u, static_cast<__mmask16>(0xFFFF));
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16 * u), wv, acc[r][u]);
+    }
   }
-  if (k < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1u);
+  for (int u = 0; k < K; ++u, k += 16) {
+    const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1u);
     const __m512 wv = load_w(w + k, m);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + r * K + k), wv, acc[r]);
+    for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + r * K + k), wv, acc[r][u]);
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) {
+    out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+  }
 }
 
 inline float widen(float v) { return v; }

@@ -62,6 +62,8 @@ std::string prometheus(const inference::EngineStats& s, const std::string& model
   counter("torchspeed_preemptions_total", "Sequences preempted for lack of KV blocks.", static_cast<double>(s.preemptions));
   counter("torchspeed_engine_steps_total", "Forward passes run.", static_cast<double>(s.steps));
   counter("torchspeed_engine_busy_seconds_total", "Seconds spent in forward passes and sampling.", s.busy_seconds);
+  counter("torchspeed_tp_collectives_total", "Collectives rank 0 ran on the tensor-parallel group (plans included).", static_cast<double>(s.tp_collectives));
+  counter("torchspeed_tp_bytes_total", "Payload bytes of those collectives.", static_cast<double>(s.tp_bytes));
   hist("torchspeed_time_to_first_token_seconds", "Time from arrival to the first generated token.", s.ttft);
   hist("torchspeed_inter_token_latency_seconds", "Time between consecutive tokens of a sequence.", s.itl);
   return o.str();

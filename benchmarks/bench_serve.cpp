@@ -1,0 +1,557 @@
+// `torchspeed bench serve`: the server under load, beside Hugging Face transformers on the same
+// weights, same machine, same run. A GPT-2-shaped model (85.6M parameters: d 768, 12 layers,
+// byte vocabulary, context 1024; --quick: a small one) is written with GPT-2 initialisation;
+// `torchspeed serve` runs it in a child process per weight format, and this process is the load
+// generator (streaming HTTP clients on threads): closed loops of 1, 4, 16 and 64 clients and an
+// open-loop Poisson arrival rate, prompts and output lengths drawn from the fortunes corpus.
+// Reported: TTFT, TPOT (per request, (last - first token) / (tokens - 1)), ITL (every gap),
+// p50/p99, requests/s, output tokens/s, and the decode roofline: bytes read per generated token
+// (weights + KV) over the memory bandwidth measured here. transformers' numbers come from
+// benchmarks/hf_reference.py in scripts/bench-env's environment, which also checks that its
+// logits equal ours. tp 2 runs beside tp 1: per-token latency and collectives per token.
+#include <httplib.h>
+#include <signal.h>
+#include <spawn.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "bench_report.h"
+#include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/data/text.h"
+#include "torchspeed/inference/model.h"
+#include "torchspeed/models/gpt.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/launcher.h"
+
+extern char** environ;
+
+namespace torchspeed::bench {
+namespace {
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+double secs(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double pct(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double idx = p / 100.0 * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(idx)), hi = static_cast<size_t>(std::ceil(idx));
+  return v[lo] + (v[hi] - v[lo]) * (idx - static_cast<double>(lo));
+}
+
+// Memory bandwidth as a decode sees it: summing a 512 MB fp32 tensor with this process's threads.
+double measure_bandwidth() {
+  at::Tensor x = at::ones({1LL << 27});
+  std::vector<double> t;
+  for (int i = 0; i < 7; ++i) {
+    const auto a = Clock::now();
+    volatile float s = x.sum().item<float>();
+    (void)s;
+    t.push_back(secs(a, Clock::now()));
+  }
+  return static_cast<double>(x.nbytes()) / median(t);
+}
+
+// Fortunes, one per entry ('%' lines separate them).
+std::vector<std::string> fortunes() {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(data::kDefaultCorpus)) {
+    if (!e.is_regular_file() || e.path().extension() == ".dat" || e.is_symlink()) continue;
+    std::ifstream in(e.path());
+    std::string line, cur;
+    while (std::getline(in, line)) {
+      if (line == "%") {
+        if (!cur.empty()) out.push_back(cur);
+        cur.clear();
+      } else {
+        cur += line + "\n";
+      }
+    }
+  }
+  std::sort(out.begin(), out.end());
+  TS_CHECK(!out.empty(), "bench serve: no fortunes under ", data::kDefaultCorpus, " (apt-get install fortunes)");
+  return out;
+}
+
+struct Work {
+  std::string prompt;
+  int64_t max_tokens;
+};
+
+// Prompts are whole fortunes (up to 256 bytes); output lengths are other fortunes' lengths,
+// clipped to [16, 256].
+std::vector<Work> draw(const std::vector<std::string>& f, int n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Work> w;
+  for (int i = 0; i < n; ++i) {
+    std::string p = f[rng() % f.size()].substr(0, 256);
+    const int64_t len = std::clamp<int64_t>(static_cast<int64_t>(f[rng() % f.size()].size()), 16, 256);
+    w.push_back({p, len});
+  }
+  return w;
+}
+
+struct Sample {
+  double ttft = 0, tpot = 0, total = 0;
+  std::vector<double> itl;
+  int64_t tokens = 0;
+  bool ok = false;
+};
+
+// One streaming completion; times each SSE event that carries text.
+Sample stream_request(int port, const std::string& model, const std::string& prompt, int64_t max_tokens) {
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_read_timeout(600, 0);
+  nlohmann::json body = {{"model", model}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0.0},
+                         {"stream", true}, {"stream_options", {{"include_usage", true}}}};
+  Sample s;
+  std::vector<Clock::time_point> at;
+  std::string buf;
+  const auto t0 = Clock::now();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+    buf.append(d, n);
+    size_t pos;
+    while ((pos = buf.find("\n\n")) != std::string::npos) {
+      const std::string ev = buf.substr(0, pos);
+      buf.erase(0, pos + 2);
+      if (ev.rfind("data: ", 0) != 0 || ev == "data: [DONE]") continue;
+      const auto j = nlohmann::json::parse(ev.substr(6), nullptr, false);
+      if (j.is_discarded()) continue;
+      if (j.contains("usage") && j["choices"].empty()) s.tokens = j["usage"]["completion_tokens"].get<int64_t>();
+      else at.push_back(Clock::now());
+    }
+    return true;
+  };
+  auto res = cli.send(req);
+  const auto t1 = Clock::now();
+  s.ok = res && res->status == 200 && !at.empty();
+  if (!s.ok) return s;
+  s.ttft = secs(t0, at.front());
+  s.total = secs(t0, t1);
+  for (size_t i = 1; i < at.size(); ++i) s.itl.push_back(secs(at[i - 1], at[i]));
+  if (s.tokens > 1) s.tpot = secs(at.front(), at.back()) / static_cast<double>(s.tokens - 1);
+  return s;
+}
+
+struct LoadResult {
+  std::vector<Sample> samples;
+  double wall = 0;
+  int failed = 0;
+  nlohmann::json summary(const std::string& name) const {
+    std::vector<double> ttft, tpot, itl;
+    int64_t toks = 0;
+    for (const auto& s : samples) {
+      ttft.push_back(s.ttft);
+      if (s.tpot > 0) tpot.push_back(s.tpot);
+      itl.insert(itl.end(), s.itl.begin(), s.itl.end());
+      toks += s.tokens;
+    }
+    return {{"case", name}, {"requests", samples.size()}, {"failed", failed}, {"wall_s", wall},
+            {"requests_per_s", static_cast<double>(samples.size()) / wall},
+            {"output_tokens_per_s", static_cast<double>(toks) / wall},
+            {"ttft_p50_ms", pct(ttft, 50) * 1e3}, {"ttft_p99_ms", pct(ttft, 99) * 1e3},
+            {"tpot_p50_ms", pct(tpot, 50) * 1e3}, {"tpot_p99_ms", pct(tpot, 99) * 1e3},
+            {"itl_p50_ms", pct(itl, 50) * 1e3}, {"itl_p99_ms", pct(itl, 99) * 1e3}};
+  }
+};
+
+// `clients` threads, each sending its share of `work` one request after another.
+LoadResult closed_loop(int port, const std::string& model, const std::vector<Work>& work, int clients) {
+  LoadResult r;
+  std::mutex mu;
+  std::vector<std::thread> th;
+  const auto t0 = Clock::now();
+  for (int c = 0; c < clients; ++c) {
+    th.emplace_back([&, c] {
+      for (size_t i = static_cast<size_t>(c); i < work.size(); i += static_cast<size_t>(clients)) {
+        Sample s = stream_request(port, model, work[i].prompt, work[i].max_tokens);
+        std::lock_guard<std::mutex> g(mu);
+        if (s.ok) r.samples.push_back(std::move(s));
+        else ++r.failed;
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+  r.wall = secs(t0, Clock::now());
+  return r;
+}
+
+// Requests arriving as a Poisson process of `rate` per second, each on its own thread.
+LoadResult poisson(int port, const std::string& model, const std::vector<Work>& work, double rate, uint64_t seed) {
+  LoadResult r;
+  std::mutex mu;
+  std::vector<std::thread> th;
+  std::mt19937_64 rng(seed);
+  std::exponential_distribution<double> gap(rate);
+  const auto t0 = Clock::now();
+  double t = 0;
+  for (const Work& w : work) {
+    std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(t)));
+    th.emplace_back([&, w] {
+      Sample s = stream_request(port, model, w.prompt, w.max_tokens);
+      std::lock_guard<std::mutex> g(mu);
+      if (s.ok) r.samples.push_back(std::move(s));
+      else ++r.failed;
+    });
+    t += gap(rng);
+  }
+  for (auto& x : th) x.join();
+  r.wall = secs(t0, Clock::now());
+  return r;
+}
+
+// A port nobody listens on (the socket is closed again; httplib's own servers set
+// SO_REUSEPORT, so a probe left listening would take a share of the connections).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  TS_CHECK(fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+               ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0,
+           "bench serve: cannot find a free port on 127.0.0.1");
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct Child {
+  pid_t pid = -1;
+  int port = 0;
+};
+
+Child start_server(const std::vector<std::string>& argv, int port, const std::string& log) {
+  std::vector<char*> a;
+  for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+  a.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  Child c;
+  c.port = port;
+  TS_CHECK(posix_spawn(&c.pid, a[0], &fa, nullptr, a.data(), environ) == 0, "bench serve: cannot start ", argv[0]);
+  posix_spawn_file_actions_destroy(&fa);
+  httplib::Client cli("127.0.0.1", port);
+  for (int i = 0; i < 1200; ++i) {
+    auto res = cli.Get("/health");
+    if (res && res->status == 200) return c;
+    int st;
+    TS_CHECK(waitpid(c.pid, &st, WNOHANG) == 0, "bench serve: the server exited at startup; see ", log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  TS_CHECK(false, "bench serve: the server did not become healthy in 120 s; see ", log);
+  return c;
+}
+
+void stop_server(Child& c) {
+  if (c.pid <= 0) return;
+  ::kill(c.pid, SIGTERM);
+  int st;
+  waitpid(c.pid, &st, 0);
+  c.pid = -1;
+}
+
+std::map<std::string, double> metrics(int port) {
+  httplib::Client cli("127.0.0.1", port);
+  std::map<std::string, double> m;
+  auto res = cli.Get("/metrics");
+  if (!res) return m;
+  std::istringstream in(res->body);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t sp = line.rfind(' ');
+    std::string name = line.substr(0, line.find('{') == std::string::npos ? sp : line.find('{'));
+    m[name] += std::stod(line.substr(sp + 1));
+  }
+  return m;
+}
+
+// Validation loss of the model in a weight format, on the corpus's validation split.
+double val_loss(const checkpoint::Model& m, inference::WeightFormat f, int windows) {
+  inference::InferenceModel model(m, f);
+  const auto& c = model.config();
+  const data::TextCorpus corpus = data::TextCorpus::load(data::kDefaultCorpus, 0.1, c.seq_len + 1);
+  inference::KVCache cache(c.n_layer, model.local_heads(), model.head_dim(),
+                           inference::KVCacheOptions().block_size(16).budget_mb(
+                               static_cast<double>(inference::KVCache::bytes_per_block(c.n_layer, model.local_heads(), model.head_dim(),
+                                                                                       inference::KVCacheOptions().block_size(16)) *
+                                                   inference::blocks_for(c.seq_len, 16)) / 1048576.0 + 0.01));
+  std::vector<int32_t> table;
+  for (int64_t b = 0; b < inference::blocks_for(c.seq_len, 16); ++b) table.push_back(static_cast<int32_t>(b));
+  double total = 0;
+  int64_t count = 0;
+  const int64_t stride = std::max<int64_t>(1, (static_cast<int64_t>(corpus.val.size()) - c.seq_len - 1) / windows);
+  for (int w = 0; w < windows; ++w) {
+    const int64_t off = w * stride;
+    if (off + c.seq_len + 1 > static_cast<int64_t>(corpus.val.size())) break;
+    inference::StepPlan p;
+    p.seqs.push_back({0, std::vector<int64_t>(corpus.val.begin() + off, corpus.val.begin() + off + c.seq_len), table, true, true});
+    at::Tensor logits = model.forward(p, cache);
+    at::Tensor tgt = at::tensor(std::vector<int64_t>(corpus.val.begin() + off + 1, corpus.val.begin() + off + c.seq_len + 1), at::kLong);
+    total += at::cross_entropy_loss(logits, tgt).item<double>() * static_cast<double>(c.seq_len);
+    count += c.seq_len;
+  }
+  return total / static_cast<double>(count);
+}
+
+std::string newest_trained_model() {
+  std::string best;
+  fs::file_time_type when{};
+  const fs::path runs = fs::path(TORCHSPEED_SOURCE_DIR) / "runs";
+  if (!fs::exists(runs)) return best;
+  for (const auto& e : fs::directory_iterator(runs)) {
+    const fs::path m = e.path() / "model" / "model.safetensors";
+    if (fs::exists(m) && (best.empty() || fs::last_write_time(m) > when)) {
+      best = (e.path() / "model").string();
+      when = fs::last_write_time(m);
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+int run_serve(const BenchArgs& args, const std::string& self) {
+  BenchReport report("serve");
+  report.machine() = describe_machine(1);
+  const std::string src = TORCHSPEED_SOURCE_DIR;
+  const fs::path dir = fs::absolute("bench-serve.tmp");
+  fs::create_directories(dir);
+  // The model: GPT-2 shape with a byte vocabulary (--quick: small), GPT-2 initialisation.
+  models::GPTConfig g;
+  g.vocab = 256;
+  g.seq_len = args.quick ? 512 : 1024;
+  g.d_model = args.quick ? 256 : 768;
+  g.n_layer = args.quick ? 4 : 12;
+  g.n_head = args.quick ? 4 : 12;
+  const std::string model_dir = (dir / "model").string();
+  {
+    torch::manual_seed(1234);
+    auto stack = models::make_gpt(g);
+    checkpoint::save_consolidated(model_dir, checkpoint::stack_parameters(stack), {{"model", g.to_json()}}, 0);
+  }
+  const checkpoint::Model loaded = checkpoint::load_model(model_dir);
+  const double bw = measure_bandwidth();
+  std::printf("bench serve: model %.1fM parameters (d %lld, %lld layers, context %lld); memory bandwidth %.1f GB/s (%d threads)\n",
+              g.num_params() / 1e6, static_cast<long long>(g.d_model), static_cast<long long>(g.n_layer),
+              static_cast<long long>(g.seq_len), bw / 1e9, at::get_num_threads());
+  std::fflush(stdout);
+  report.machine()["memory_bandwidth_gb_s"] = bw / 1e9;
+
+  // transformers on the same weights: logits parity, then its speed.
+  std::string py;
+  {
+    const std::string out = (dir / "env.txt").string();
+    if (launcher::run_command({src + "/scripts/bench-env"}, out, (dir / "env.err").string()) == 0) {
+      std::ifstream in(out);
+      std::getline(in, py);
+    }
+  }
+  nlohmann::json hf;
+  if (!py.empty()) {
+    std::vector<std::vector<int64_t>> seqs;
+    const auto f = fortunes();
+    for (int i = 0; i < 3; ++i) {
+      std::string s = f[static_cast<size_t>(i * 97) % f.size()].substr(0, 48);
+      seqs.emplace_back(s.begin(), s.end());
+      for (auto& t : seqs.back()) t &= 0xFF;
+    }
+    inference::InferenceModel ours(loaded, inference::WeightFormat::kFP32);
+    nlohmann::json logits = nlohmann::json::array();
+    for (const auto& s : seqs) {
+      inference::KVCache cache(g.n_layer, ours.local_heads(), ours.head_dim(), inference::KVCacheOptions().block_size(16).budget_mb(16));
+      std::vector<int32_t> table;
+      for (int32_t b = 0; b < 8; ++b) table.push_back(b);
+      inference::StepPlan p;
+      p.seqs.push_back({0, s, table, true, true});
+      at::Tensor l = ours.forward(p, cache);
+      nlohmann::json rows = nlohmann::json::array();
+      for (int64_t r = 0; r < l.size(0); ++r) rows.push_back(std::vector<float>(l[r].data_ptr<float>(), l[r].data_ptr<float>() + l.size(1)));
+      logits.push_back(rows);
+    }
+    std::ofstream((dir / "ours_logits.json").string()) << nlohmann::json{{"tokens", seqs}, {"logits", logits}}.dump();
+    const std::string check_out = (dir / "hf_check.txt").string();
+    const int rc = launcher::run_command({py, src + "/benchmarks/hf_reference.py", "check", "--model", model_dir, "--expected",
+                                          (dir / "ours_logits.json").string(), "--tol", "1e-4"}, check_out, check_out);
+    std::ifstream in(check_out);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::smatch mt;
+    double diff = -1;
+    if (std::regex_search(text, mt, std::regex("max abs diff ([0-9.eE+-]+)"))) diff = std::stod(mt[1]);
+    std::printf("bench serve: logits vs transformers GPT2LMHeadModel: max abs diff %.3g (%s)\n", diff, rc == 0 ? "match" : "MISMATCH");
+    report.add_result({{"case", "hf_logits_parity"}, {"max_abs_diff", diff}, {"match", rc == 0}});
+    report.add_target("logits max abs diff vs transformers", diff < 0 ? 1.0 : diff, 1e-4, false);
+    const std::string hf_json = (dir / "hf.json").string();
+    std::printf("bench serve: transformers generate() on the same weights (batch 1 and 16 prompts batched)...\n");
+    std::fflush(stdout);
+    if (launcher::run_command({py, src + "/benchmarks/hf_reference.py", "bench", "--model", model_dir, "--threads",
+                               std::to_string(at::get_num_threads()), "--prompt-len", "64", "--new-tokens", "128", "--batch", "16",
+                               "--json", hf_json}, (dir / "hf.log").string(), (dir / "hf.log").string()) == 0) {
+      std::ifstream(hf_json) >> hf;
+      hf["case"] = "transformers";
+      report.add_result(hf);
+    } else {
+      std::printf("bench serve: transformers bench failed, see %s\n", (dir / "hf.log").c_str());
+    }
+  } else {
+    std::printf("bench serve: scripts/bench-env failed: no transformers rows\n");
+  }
+
+  const auto corpus = fortunes();
+  const std::string name = "bench";
+  std::map<std::string, double> batch1_tok_s;
+  double prefill1 = 0, c16_tok_s = 0, c16_ttft_p99 = 0;
+  const std::vector<std::string> formats = args.quick ? std::vector<std::string>{"fp32"} : std::vector<std::string>{"fp32", "bf16", "int8"};
+  for (const std::string& fmt : formats) {
+    const int port = free_port();
+    Child c = start_server({self, "serve", "--checkpoint", model_dir, "--port", std::to_string(port), "--weights", fmt,
+                            "--served-model-name", name, "--max-num-seqs", "64", "--max-queue", "512", "--kv-cache-mb", "1024",
+                            "--max-batched-tokens", "512"},
+                           port, (dir / ("server-" + fmt + ".log")).string());
+    // Batch 1: a 64-byte prompt, 128 tokens, the decode rate against the roofline.
+    const std::string p64 = corpus[7].substr(0, 64);
+    stream_request(port, name, p64, 8);  // warm-up
+    std::vector<double> tpot, ttft;
+    for (int i = 0; i < (args.quick ? 2 : 3); ++i) {
+      Sample s = stream_request(port, name, p64, 128);
+      TS_CHECK(s.ok && s.tokens == 128, "bench serve: a batch-1 request failed (", fmt, ")");
+      tpot.push_back(s.tpot);
+      ttft.push_back(s.ttft);
+    }
+    inference::InferenceModel probe(loaded, inference::parse_weight_format(fmt));
+    const double kv_per_token = 2.0 * g.n_layer * g.d_model * 4 * (64 + 64);  // keys and values read at mid-decode
+    const double bytes_per_token = static_cast<double>(probe.weight_bytes()) + kv_per_token;
+    const double tok_s = 1.0 / median(tpot), limit = bw / bytes_per_token;
+    batch1_tok_s[fmt] = tok_s;
+    if (fmt == "fp32") prefill1 = median(ttft);
+    std::printf("bench serve: %s batch 1: %.1f tok/s (TPOT %.2f ms), prefill of 64 tokens %.1f ms; %.1f MB read per token -> limit %.1f tok/s (%.0f%%)\n",
+                fmt.c_str(), tok_s, median(tpot) * 1e3, median(ttft) * 1e3, bytes_per_token / 1e6, limit, 100 * tok_s / limit);
+    std::fflush(stdout);
+    report.add_result({{"case", "batch1_decode"}, {"weights", fmt}, {"tokens_per_s", tok_s}, {"tpot_ms", median(tpot) * 1e3},
+                       {"prefill_64_ms", median(ttft) * 1e3}, {"bytes_per_token", bytes_per_token}, {"roofline_tokens_per_s", limit}});
+    report.add_target(concat("batch-1 decode, ", fmt, " weights: share of the bandwidth limit"), tok_s / limit, 0.70);
+    // Closed loops and Poisson arrivals.
+    std::vector<int> levels = args.quick ? std::vector<int>{1, 4} : fmt == "fp32" ? std::vector<int>{1, 4, 16, 64} : std::vector<int>{16};
+    double rps16 = 0;
+    for (int clients : levels) {
+      const int n = args.quick ? 2 * clients : clients == 1 ? 4 : clients == 4 ? 12 : clients == 16 ? 32 : 64;
+      const auto work = draw(corpus, n, 100 + static_cast<uint64_t>(clients));
+      const LoadResult r = closed_loop(port, name, work, clients);
+      nlohmann::json row = r.summary(concat("closed_loop_", clients));
+      row["weights"] = fmt;
+      row["clients"] = clients;
+      report.add_result(row);
+      std::printf("bench serve: %s %2d clients: %5.2f req/s, %6.1f tok/s, TTFT p50 %.0f p99 %.0f ms, TPOT p50 %.1f p99 %.1f ms, ITL p50 %.1f p99 %.1f ms%s\n",
+                  fmt.c_str(), clients, row["requests_per_s"].get<double>(), row["output_tokens_per_s"].get<double>(),
+                  row["ttft_p50_ms"].get<double>(), row["ttft_p99_ms"].get<double>(), row["tpot_p50_ms"].get<double>(),
+                  row["tpot_p99_ms"].get<double>(), row["itl_p50_ms"].get<double>(), row["itl_p99_ms"].get<double>(),
+                  r.failed ? concat(" (", r.failed, " failed)").c_str() : "");
+      std::fflush(stdout);
+      if (clients == 16 && fmt == "fp32") {
+        c16_tok_s = row["output_tokens_per_s"].get<double>();
+        c16_ttft_p99 = row["ttft_p99_ms"].get<double>() / 1e3;
+        rps16 = row["requests_per_s"].get<double>();
+      }
+      if (clients == 16 && fmt != "fp32") {
+        report.add_target(concat("16 clients, ", fmt, ": output tok/s vs fp32 at 16 clients"), row["output_tokens_per_s"].get<double>() / std::max(c16_tok_s, 1e-9), 1.0);
+      }
+    }
+    if (fmt == "fp32" && !args.quick && rps16 > 0) {
+      const double rate = 0.7 * rps16;
+      const LoadResult r = poisson(port, name, draw(corpus, 32, 7), rate, 7);
+      nlohmann::json row = r.summary("poisson");
+      row["weights"] = fmt;
+      row["rate_per_s"] = rate;
+      report.add_result(row);
+      std::printf("bench serve: fp32 Poisson %.2f req/s: %5.2f req/s, %6.1f tok/s, TTFT p50 %.0f p99 %.0f ms, ITL p50 %.1f p99 %.1f ms\n", rate,
+                  row["requests_per_s"].get<double>(), row["output_tokens_per_s"].get<double>(), row["ttft_p50_ms"].get<double>(),
+                  row["ttft_p99_ms"].get<double>(), row["itl_p50_ms"].get<double>(), row["itl_p99_ms"].get<double>());
+    }
+    stop_server(c);
+  }
+  // tp 2 beside tp 1: per-token latency and collectives per token.
+  {
+    const int port = free_port();
+    Child c = start_server({self, "serve", "-n", "2", "--tp", "2", "--checkpoint", model_dir, "--port", std::to_string(port),
+                            "--served-model-name", name},
+                           port, (dir / "server-tp2.log").string());
+    const std::string p64 = corpus[7].substr(0, 64);
+    stream_request(port, name, p64, 8);
+    auto before = metrics(port);
+    std::vector<double> tpot;
+    int64_t toks = 0;
+    for (int i = 0; i < 2; ++i) {
+      Sample s = stream_request(port, name, p64, 64);
+      TS_CHECK(s.ok, "bench serve: a tp 2 request failed");
+      tpot.push_back(s.tpot);
+      toks += s.tokens;
+    }
+    auto after = metrics(port);
+    stop_server(c);
+    const double steps = after["torchspeed_engine_steps_total"] - before["torchspeed_engine_steps_total"];
+    const double coll = after["torchspeed_tp_collectives_total"] - before["torchspeed_tp_collectives_total"];
+    const double bytes = after["torchspeed_tp_bytes_total"] - before["torchspeed_tp_bytes_total"];
+    std::printf("bench serve: tp 2 batch 1: TPOT %.2f ms (tp 1: %.2f ms); %.1f collectives and %.1f KB per token (%.0f forward passes)\n",
+                median(tpot) * 1e3, 1e3 / batch1_tok_s["fp32"], coll / static_cast<double>(toks), bytes / 1024.0 / static_cast<double>(toks), steps);
+    report.add_result({{"case", "tp2_batch1"}, {"tpot_ms", median(tpot) * 1e3}, {"tp1_tpot_ms", 1e3 / batch1_tok_s["fp32"]},
+                       {"collectives_per_token", coll / static_cast<double>(toks)}, {"bytes_per_token", bytes / static_cast<double>(toks)}});
+  }
+  // Targets against transformers (same weights, same run).
+  if (hf.contains("batch1_decode_tok_s")) {
+    const double hf1 = hf["batch1_decode_tok_s"].get<double>(), hfb = hf["batched_tok_s"].get<double>();
+    report.add_target("fp32 batch-1 decode vs transformers", batch1_tok_s["fp32"] / hf1, 1.5);
+    if (!args.quick) {
+      report.add_target("bf16 weights batch-1 decode vs transformers fp32", batch1_tok_s["bf16"] / hf1, 2.5);
+      report.add_target("int8 weights batch-1 decode vs transformers fp32", batch1_tok_s["int8"] / hf1, 2.5);
+      report.add_target("16 clients vs transformers' 16 prompts batched (tok/s)", c16_tok_s / hfb, 3.0);
+    }
+  }
+  if (!args.quick && prefill1 > 0) report.add_target("p99 TTFT at 16 clients / batch-1 prefill", c16_ttft_p99 / prefill1, 3.0, false);
+  // Quality of the compact formats, on a trained model (the newest under runs/).
+  const std::string trained = newest_trained_model();
+  if (!trained.empty()) {
+    const checkpoint::Model tm = checkpoint::load_model(trained);
+    const double f32 = val_loss(tm, inference::WeightFormat::kFP32, args.quick ? 4 : 16);
+    for (auto f : {inference::WeightFormat::kBF16, inference::WeightFormat::kInt8}) {
+      const double l = val_loss(tm, f, args.quick ? 4 : 16);
+      std::printf("bench serve: validation loss of %s (%s weights) %.4f vs fp32 %.4f (%+.2f%%)\n", trained.c_str(),
+                  inference::weight_format_name(f), l, f32, 100 * (l - f32) / f32);
+      report.add_result({{"case", "quality"}, {"model", trained}, {"weights", inference::weight_format_name(f)}, {"val_loss", l}, {"fp32_val_loss", f32}});
+      report.add_target(concat(inference::weight_format_name(f), " weights: validation loss change vs fp32"), std::abs(l - f32) / f32, 0.01, false);
+    }
+  } else {
+    std::printf("bench serve: no trained model under runs/ (scripts/demo makes one): quality of bf16/int8 weights not measured\n");
+  }
+  report.finish(args);
+  fs::remove_all(dir);
+  return 0;
+}
+
+}  // namespace torchspeed::bench
