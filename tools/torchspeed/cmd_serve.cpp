@@ -138,7 +138,6 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     const auto t0 = std::chrono::steady_clock::now();
     auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp);
     inference::Engine engine(model, eo, tp);
-    engine.start();
     server.set_engine(&engine);
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights, tp %d), context %lld, KV cache %.0f MB (%lld blocks of %lld tokens)\n",
@@ -146,11 +145,18 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                 static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0,
                 static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
     std::fflush(stdout);
-    while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    std::printf("torchspeed serve: stopping: finishing %lld running and %lld waiting requests\n",
-                static_cast<long long>(engine.stats().running), static_cast<long long>(engine.stats().waiting));
-    std::fflush(stdout);
-    server.shutdown();
+    // The engine runs on this thread (the one that loaded the model: see Engine::run); a
+    // helper thread waits for the stop request and drains.
+    std::thread stopper([&] {
+      while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::printf("torchspeed serve: stopping: finishing %lld running and %lld waiting requests\n",
+                  static_cast<long long>(engine.stats().running), static_cast<long long>(engine.stats().waiting));
+      std::fflush(stdout);
+      server.shutdown();
+    });
+    engine.run();
+    g_stop = true;  // the loop also ends on a fatal error: stop serving then too
+    stopper.join();
     std::printf("torchspeed serve: stopped\n");
     return 0;
   };

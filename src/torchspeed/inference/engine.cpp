@@ -342,6 +342,14 @@ void Engine::run_until_idle() {
 }
 
 void Engine::loop() {
+  struct Done {
+    Engine* e;
+    ~Done() {
+      std::lock_guard<std::mutex> g(e->mu_);
+      e->loop_running_ = false;
+      e->done_cv_.notify_all();
+    }
+  } done{this};
   while (true) {
     {
       std::unique_lock<std::mutex> lk(mu_);
@@ -372,6 +380,7 @@ void Engine::loop() {
       admit_inbox();
       publish_stats();
       try {
+        followers_stopped_ = true;
         send_plan(nullptr);
       } catch (const std::exception&) {
       }
@@ -384,20 +393,36 @@ void Engine::loop() {
   }
   admit_inbox();  // aborts whatever is left
   publish_stats();
+  followers_stopped_ = true;
   send_plan(nullptr);
 }
 
 void Engine::start() {
   TS_CHECK(!thread_.joinable(), "the inference engine is already running");
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    loop_running_ = true;
+  }
   thread_ = std::thread([this] { loop(); });
+}
+
+void Engine::run() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    TS_CHECK(!thread_.joinable() && !loop_running_, "the inference engine is already running");
+    loop_running_ = true;
+  }
+  loop();
 }
 
 void Engine::stop(bool drain) {
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     stopping_ = true;
     drain_ = drain;
     cv_.notify_all();
+    // A loop running on another caller's thread (run()): wait until it has finished.
+    if (!thread_.joinable()) done_cv_.wait(lk, [&] { return !loop_running_; });
   }
   if (thread_.joinable()) {
     thread_.join();  // the loop told the followers
