@@ -1,5 +1,7 @@
 // `torchspeed generate --checkpoint DIR --prompt TEXT [--max-new-tokens N --temperature T
-// --top-k K --seed S]`: loads a trained GPT and prints generated text.
+// --top-k K --seed S]`: loads a trained GPT and prints generated text. Within the model's
+// context it runs the serving engine (KV cache: each new token costs one token's forward);
+// past the context it slides a window over the last seq_len tokens, recomputed per token.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -7,7 +9,9 @@
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/data/text.h"
+#include "torchspeed/inference/engine.h"
 #include "torchspeed/models/gpt.h"
+#include "torchspeed/runtime/error.h"
 
 namespace torchspeed::cli {
 
@@ -29,10 +33,30 @@ Runner add_generate(CLI::App& app) {
   return [o]() {
     const auto loaded = checkpoint::load_model(o->checkpoint);
     auto gpt = models::GPTConfig::from_json(loaded.config.value("model", nlohmann::json::object()));
-    auto model = models::make_gpt(gpt);
-    checkpoint::load_into(model, loaded);
     data::ByteTokenizer tok;
-    auto out = models::sample(model, gpt, tok.encode(o->prompt), o->sample);
+    const auto prompt = tok.encode(o->prompt);
+    TS_CHECK(!prompt.empty(), "generate: the prompt is empty");
+    std::vector<int64_t> out;
+    if (static_cast<int64_t>(prompt.size()) + o->sample.max_new_tokens <= gpt.seq_len) {
+      auto model = std::make_shared<inference::InferenceModel>(loaded, inference::WeightFormat::kFP32);
+      const double kv_mb = static_cast<double>(inference::KVCache::bytes_per_block(gpt.n_layer, gpt.n_head, gpt.d_model / gpt.n_head,
+                                                                                 inference::KVCacheOptions())) *
+                           static_cast<double>(inference::blocks_for(gpt.seq_len, 16)) / 1048576.0 * 1.01;
+      inference::Engine engine(model, inference::EngineOptions().kv(inference::KVCacheOptions().budget_mb(kv_mb)));
+      inference::SamplingParams p;
+      p.temperature = o->sample.temperature;
+      p.top_k = o->sample.top_k;
+      p.seed = o->sample.seed;
+      p.max_tokens = o->sample.max_new_tokens;
+      engine.submit(prompt, p, [&out](const inference::RequestEvent& ev) {
+        for (const auto& t : ev.tokens) out.push_back(t.id);
+      });
+      engine.run_until_idle();
+    } else {
+      auto model = models::make_gpt(gpt);
+      checkpoint::load_into(model, loaded);
+      out = models::sample(model, gpt, prompt, o->sample);
+    }
     std::printf("%s%s\n", o->prompt.c_str(), tok.decode(out).c_str());
     return 0;
   };
