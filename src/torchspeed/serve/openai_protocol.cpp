@@ -227,7 +227,7 @@ std::string chat_prompt(const json& messages) {
       bad(f + ".content", "expected a string or a list of text parts");
     }
     for (const auto& [k, v] : m.items()) {
-      if (k != "role" && k != "content" && k != "name") bad(f + "." + k, "not supported");
+      if (k != "role" && k != "content") bad(f + "." + k, "not supported");
     }
     out += "<|" + (role == "developer" ? std::string("system") : role) + "|>\n" + content + "\n";
   }
