@@ -1,6 +1,9 @@
 #include "torchspeed/serve/server.h"
 
 #include <httplib.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -78,6 +81,16 @@ void send_error(httplib::Response& res, const ApiError& e) {
   send_json(res, e.status, e.to_json());
 }
 
+// HTTP threads run at a lower priority than the engine: on a machine whose cores all run the
+// forward pass, a woken HTTP thread would otherwise stall a parallel region's barrier (the
+// engine's OpenMP workers wait for the descheduled one). They need little CPU.
+void lower_thread_priority() {
+  thread_local bool done = false;
+  if (done) return;
+  done = true;
+  setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+}
+
 std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
 }  // namespace
 
@@ -127,6 +140,7 @@ struct Server::Impl {
   }
 
   void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+    lower_thread_priority();
     if (!authorized(req, res)) return;
     inference::Engine* e = ready(res);
     if (!e) return;
