@@ -272,12 +272,17 @@ TEST(Engine, TokensDoNotDependOnBatchingChunksOrPreemption) {
     uint64_t preemptions = 0;
     const auto preempted = run_requests(f, opts(64, 16, tiny), all, sampled, &preemptions);
     EXPECT_GT(preemptions, 0u);
+    // Both at once: 7-token prompt chunks beside decodes in a cache that keeps running out.
+    uint64_t preemptions_chunked = 0;
+    const auto preempted_chunked = run_requests(f, opts(7, 16, tiny), all, sampled, &preemptions_chunked);
+    EXPECT_GT(preemptions_chunked, 0u);
     for (size_t i = 0; i < all.size(); ++i) {
       EXPECT_EQ(alone[i].reason, "length");
       EXPECT_EQ(static_cast<int>(alone[i].tokens.size()), 12 + all[i] % 5);
       EXPECT_EQ(batched[i].tokens, alone[i].tokens) << "request " << i << (sampled ? " sampled" : " greedy");
       EXPECT_EQ(chunked[i].tokens, alone[i].tokens) << "request " << i << (sampled ? " sampled" : " greedy");
       EXPECT_EQ(preempted[i].tokens, alone[i].tokens) << "request " << i << (sampled ? " sampled" : " greedy");
+      EXPECT_EQ(preempted_chunked[i].tokens, alone[i].tokens) << "request " << i << (sampled ? " sampled" : " greedy");
       EXPECT_EQ(batched[i].text, alone[i].text);
     }
   }

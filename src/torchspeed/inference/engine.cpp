@@ -166,25 +166,32 @@ bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
     order.push_back(&s);
     budget -= n;
   };
-  // Running sequences, decodes (one token left to compute) before prompt chunks. A sequence
-  // that finds no free block preempts the most recently admitted ones, itself last.
-  for (int pass = 0; pass < 2; ++pass) {
-    for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
-      Sequence& s = *running_[i];
-      const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.computed;
-      if ((remaining == 1) != (pass == 0) || remaining <= 0) continue;
-      const int64_t n = std::min(remaining, budget);
-      bool fits = ensure_blocks(s, s.computed + n);
-      while (!fits && running_.back().get() != &s) {
-        preempt_last();
-        fits = ensure_blocks(s, s.computed + n);
-      }
-      if (!fits) {
-        preempt_last();  // s itself
-        break;
-      }
-      add(s, n);
+  // Running decodes (one token left to compute) first. A decode that finds no free block
+  // preempts the most recently admitted sequences, itself last; those are all later in
+  // running_, so none of them is in this step's plan yet.
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Sequence& s = *running_[i];
+    if (static_cast<int64_t>(s.tokens.size()) - s.computed != 1) continue;
+    bool fits = ensure_blocks(s, s.computed + 1);
+    while (!fits && running_.back().get() != &s) {
+      preempt_last();
+      fits = ensure_blocks(s, s.computed + 1);
     }
+    if (!fits) {
+      preempt_last();  // s itself
+      break;
+    }
+    add(s, 1);
+  }
+  // Then prompt chunks of running sequences, with the blocks that are free: preempting here
+  // could take a sequence already planned above.
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Sequence& s = *running_[i];
+    const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.computed;
+    if (remaining <= 1) continue;
+    const int64_t n = std::min(remaining, budget);
+    if (!ensure_blocks(s, s.computed + n)) break;
+    add(s, n);
   }
   // Waiting requests in arrival order (preempted ones first), while blocks and slots allow.
   while (budget > 0 && !waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs()) {
