@@ -179,6 +179,13 @@ struct LoadResult {
   }
 };
 
+// A finished request's sample, from any client thread.
+void record(LoadResult& r, std::mutex& mu, Sample s) {
+  std::lock_guard<std::mutex> g(mu);
+  if (s.ok) r.samples.push_back(std::move(s));
+  else ++r.failed;
+}
+
 // `clients` threads, each sending its share of `work` one request after another. Each client's
 // first request is a warm-up, not counted: all clients start at the same instant, and that
 // synchronised first wave (16 prompts prefilled at once) is not the steady state a closed loop
@@ -197,9 +204,7 @@ LoadResult closed_loop(int port, const std::string& model, const std::vector<Wor
       }
       for (size_t i = static_cast<size_t>(c); i < work.size(); i += static_cast<size_t>(clients)) {
         Sample s = stream_request(port, model, work[i].prompt, work[i].max_tokens);
-        std::lock_guard<std::mutex> g(mu);
-        if (s.ok) r.samples.push_back(std::move(s));
-        else ++r.failed;
+        record(r, mu, std::move(s));
       }
     });
   }
@@ -218,9 +223,7 @@ LoadResult burst(int port, const std::string& model, const std::string& prompt, 
   for (int i = 0; i < n; ++i) {
     th.emplace_back([&] {
       Sample s = stream_request(port, model, prompt, tokens);
-      std::lock_guard<std::mutex> g(mu);
-      if (s.ok) r.samples.push_back(std::move(s));
-      else ++r.failed;
+      record(r, mu, std::move(s));
     });
   }
   for (auto& t : th) t.join();
@@ -241,9 +244,7 @@ LoadResult poisson(int port, const std::string& model, const std::vector<Work>& 
     std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(t)));
     th.emplace_back([&, w] {
       Sample s = stream_request(port, model, w.prompt, w.max_tokens);
-      std::lock_guard<std::mutex> g(mu);
-      if (s.ok) r.samples.push_back(std::move(s));
-      else ++r.failed;
+      record(r, mu, std::move(s));
     });
     t += gap(rng);
   }

@@ -57,8 +57,7 @@ struct ChoiceResult {
   std::string text;
   std::vector<inference::GeneratedToken> tokens, prompt_lps;
   std::string finish_reason;
-  int64_t prompt_tokens = 0, completion_tokens = 0;
-  bool finished = false;
+  int64_t completion_tokens = 0;
 };
 
 // The whole answer of a non-streamed request; `choices` in index order.

@@ -167,9 +167,7 @@ struct Server::Impl {
           }
           if (ev.finished) {
             ChoiceResult& c = job->choices[static_cast<size_t>(i)];
-            c.finished = true;
             c.finish_reason = ev.finish_reason;
-            c.prompt_tokens = ev.prompt_tokens;
             c.completion_tokens = ev.completion_tokens;
             ++job->finished;
           }
