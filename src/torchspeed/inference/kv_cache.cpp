@@ -39,19 +39,20 @@ void BlockPool::release(std::vector<int32_t>& blocks) {
 }
 
 int64_t KVCache::bytes_per_block(int64_t n_layer, int64_t heads, int64_t head_dim, const KVCacheOptions& o) {
-  return 2 * n_layer * o.block_size() * heads * head_dim * static_cast<int64_t>(sizeof(float));
+  return 2 * n_layer * o.block_size() * heads * head_dim * static_cast<int64_t>(c10::elementSize(o.dtype()));
 }
 
 KVCache::KVCache(int64_t n_layer, int64_t heads, int64_t head_dim, const KVCacheOptions& o)
-    : block_size_(o.block_size()) {
+    : block_size_(o.block_size()), dtype_(o.dtype()) {
   TS_CHECK(o.block_size() > 0, "KV cache block size must be positive, got ", o.block_size());
+  TS_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "the KV cache holds fp32 or bf16, not ", dtype_);
   const int64_t per_block = bytes_per_block(n_layer, heads, head_dim, o);
   num_blocks_ = static_cast<int64_t>(o.budget_mb() * 1024.0 * 1024.0) / per_block;
   TS_CHECK(num_blocks_ > 0, "--kv-cache-mb ", o.budget_mb(), " holds no block: one block of ", o.block_size(),
            " tokens takes ", per_block, " bytes for this model");
   for (int64_t l = 0; l < n_layer; ++l) {
-    k_.push_back(at::zeros({num_blocks_ * block_size_, heads, head_dim}, at::kFloat));
-    v_.push_back(at::zeros({num_blocks_ * block_size_, heads, head_dim}, at::kFloat));
+    k_.push_back(at::zeros({num_blocks_ * block_size_, heads, head_dim}, dtype_));
+    v_.push_back(at::zeros({num_blocks_ * block_size_, heads, head_dim}, dtype_));
   }
 }
 

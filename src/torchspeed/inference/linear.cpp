@@ -21,6 +21,7 @@
 
 #include <cstring>
 
+#include "torchspeed/inference/linear_bf16.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::inference {
@@ -42,8 +43,9 @@ const char* weight_format_name(WeightFormat f) {
   return "?";
 }
 
-ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format)
-    : format_(format), in_(weight.size(1)), out_(weight.size(0)) {
+ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot)
+    : format_(format), bf16_dot_(bf16_dot && format == WeightFormat::kBF16 && have_bf16_dot()), in_(weight.size(1)),
+      out_(weight.size(0)) {
   TS_CHECK(weight.dim() == 2, "a linear weight must be 2-D, got ", weight.sizes());
   at::Tensor w = weight.detach().to(at::kFloat).contiguous();
   switch (format) {
@@ -144,7 +146,9 @@ bool have_avx512() {
 
 // The 4 x 4 tile spelled out: GCC keeps a 16-accumulator array on the stack (a store per FMA),
 // named variables stay in registers. Same arithmetic per (row, channel) as the template.
-template <class WT>
+// `Prefetch`: the first rows over these channels also request the next 4 channels' weights
+// (as in Note [bf16 dot products]), so streaming them from memory overlaps the arithmetic.
+template <class WT, bool Prefetch>
 TS_AVX512 void dot_tile_4x4(const float* x, int64_t K, const WT* w, float* out, int64_t ldo) {
   __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
          a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
@@ -165,7 +169,14 @@ TS_AVX512 void dot_tile_4x4(const float* x, int64_t K, const WT* w, float* out, 
     a32 = _mm512_fmadd_ps(xv, w2, a32); a33 = _mm512_fmadd_ps(xv, w3, a33);
   };
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) step(k, static_cast<__mmask16>(0xFFFF));
+  for (; k + 16 <= K; k += 16) {
+    if constexpr (Prefetch) {
+      if (sizeof(WT) == 4 || k % (64 / sizeof(WT)) == 0) {
+        for (int j = 4; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), _MM_HINT_T0);
+      }
+    }
+    step(k, static_cast<__mmask16>(0xFFFF));
+  }
   if (k < K) step(k, static_cast<__mmask16>((1u << (K - k)) - 1u));
   float* o0 = out;
   float* o1 = out + ldo;
@@ -183,7 +194,10 @@ template <class WT, int J>
 TS_AVX512 void channel_tile(const float* x, int64_t rows, int64_t K, const WT* w, float* y, int64_t N) {
   int64_t m0 = 0;
   for (; m0 + 4 <= rows; m0 += 4) {
-    if constexpr (J == 4) dot_tile_4x4<WT>(x + m0 * K, K, w, y + m0 * N, N);
+    if constexpr (J == 4) {
+      if (m0 == 0) dot_tile_4x4<WT, true>(x + m0 * K, K, w, y + m0 * N, N);
+      else dot_tile_4x4<WT, false>(x + m0 * K, K, w, y + m0 * N, N);
+    }
     else dot_tile_avx512<WT, 4, J>(x + m0 * K, K, w, y + m0 * N, N);
   }
   switch (rows - m0) {
@@ -255,6 +269,11 @@ at::Tensor ServingLinear::forward(const at::Tensor& x_in, int64_t row_kernel_row
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, out_}, x.options());
+  if (bf16_dot_) {  // every row, prompt chunks too: see Note [bf16 dot products]
+    bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, reinterpret_cast<const uint16_t*>(w_.data_ptr()), y.data_ptr<float>());
+    if (with_bias) add_bias(y);
+    return y;
+  }
   const int64_t kr = M <= kRowKernelMaxRows ? M : std::min(std::max<int64_t>(row_kernel_rows, 0), M);
   if (kr > 0) rows_kernel(x.data_ptr<float>(), kr, y.data_ptr<float>());
   if (kr < M) {

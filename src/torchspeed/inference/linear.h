@@ -18,8 +18,11 @@ const char* weight_format_name(WeightFormat f);
 class ServingLinear {
  public:
   ServingLinear() = default;
-  // weight [out, in] (any floating dtype), bias [out] or undefined.
-  ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format);
+  // weight [out, in] (any floating dtype), bias [out] or undefined. `bf16_dot`: with bf16
+  // weights on a CPU with AVX512-BF16, round each input row to bf16 and multiply with bf16 dot
+  // products (fp32 accumulation and output; Note [bf16 dot products]); elsewhere, or false,
+  // widen the weights to fp32.
+  ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot = false);
 
   // x [rows, in] fp32 contiguous -> [rows, out] fp32, bias added unless `add_bias` is false.
   // Rows [0, row_kernel_rows) always go through the row kernel, so each of them gets the same
@@ -31,12 +34,14 @@ class ServingLinear {
   int64_t out_features() const { return out_; }
   int64_t weight_bytes() const;  // bytes read per pass over the weights (with scales)
   WeightFormat format() const { return format_; }
+  bool bf16_dot() const { return bf16_dot_; }
   // The weight as fp32 (dequantized), [out, in].
   at::Tensor dense_weight() const;
 
  private:
   void rows_kernel(const float* x, int64_t rows, float* y) const;
   WeightFormat format_ = WeightFormat::kFP32;
+  bool bf16_dot_ = false;
   int64_t in_ = 0, out_ = 0;
   at::Tensor w_;      // [out, in] in the storage dtype (int8 for kInt8)
   at::Tensor scale_;  // [out] fp32, kInt8 only

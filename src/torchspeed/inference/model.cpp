@@ -58,7 +58,7 @@ struct Params {
 };
 }  // namespace
 
-InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat format, comm::CommunicatorPtr tp)
+InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat format, comm::CommunicatorPtr tp, bool bf16_dot)
     : cfg_(models::GPTConfig::from_json(model.config.value("model", nlohmann::json::object()))) {
   if (tp && tp->size() > 1) tp_ = tp;
   const int tps = tp_ ? tp_->size() : 1, tpr = tp_ ? tp_->rank() : 0;
@@ -81,17 +81,17 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
     L.ln1_b = p.take(b + "ln1.bias");
     L.ln2_w = p.take(b + "ln2.weight");
     L.ln2_b = p.take(b + "ln2.bias");
-    L.qkv = ServingLinear(split(p.take(b + "qkv.weight"), heads_rows), split(p.take(b + "qkv.bias"), heads_rows), format);
-    L.proj = ServingLinear(split(p.take(b + "attn_proj.weight"), cols), p.take(b + "attn_proj.bias"), format);
-    L.fc = ServingLinear(split(p.take(b + "fc.weight"), rows), split(p.take(b + "fc.bias"), rows), format);
-    L.mlp = ServingLinear(split(p.take(b + "mlp_proj.weight"), cols), p.take(b + "mlp_proj.bias"), format);
+    L.qkv = ServingLinear(split(p.take(b + "qkv.weight"), heads_rows), split(p.take(b + "qkv.bias"), heads_rows), format, bf16_dot);
+    L.proj = ServingLinear(split(p.take(b + "attn_proj.weight"), cols), p.take(b + "attn_proj.bias"), format, bf16_dot);
+    L.fc = ServingLinear(split(p.take(b + "fc.weight"), rows), split(p.take(b + "fc.bias"), rows), format, bf16_dot);
+    L.mlp = ServingLinear(split(p.take(b + "mlp_proj.weight"), cols), p.take(b + "mlp_proj.bias"), format, bf16_dot);
     layers_.push_back(std::move(L));
   }
   lnf_w_ = p.take("head.ln_f.weight");
   lnf_b_ = p.take("head.ln_f.bias");
   // The LM head is replicated: with a byte vocabulary it is 0.3% of the weights, and splitting
   // it would add an all-gather per token.
-  head_ = ServingLinear(cfg_.tie_embeddings ? tok_ : p.take("head.weight"), at::Tensor(), format);
+  head_ = ServingLinear(cfg_.tie_embeddings ? tok_ : p.take("head.weight"), at::Tensor(), format, bf16_dot);
   if (!p.by_name.empty()) {
     TS_CHECK(false, p.source, ": tensor \"", p.by_name.begin()->first, "\" is not part of a GPT with model config ",
              cfg_.to_json().dump(), " (", p.by_name.size(), " unused)");
@@ -118,8 +118,8 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
       decode.push_back({q[row].data_ptr<float>(), ctx_slots[s].data_ptr<int64_t>(), L, out[row].data_ptr<float>()});
     } else {
       // A prompt chunk: its queries against every cached position up to each query's own.
-      at::Tensor K = kc.index_select(0, ctx_slots[s]).permute({1, 0, 2});  // [H, L, hd]
-      at::Tensor V = vc.index_select(0, ctx_slots[s]).permute({1, 0, 2});
+      at::Tensor K = kc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});  // [H, L, hd]
+      at::Tensor V = vc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});
       at::Tensor Q = q.narrow(0, row, t).permute({1, 0, 2});               // [H, t, hd]
       at::Tensor att = at::matmul(Q, K.transpose(1, 2)).mul_(scale);      // [H, t, L]
       at::Tensor qpos = at::arange(c.start, L, at::kLong).unsqueeze(1);
@@ -131,8 +131,8 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
     row += t;
   }
   if (!decode.empty()) {
-    decode_attention(decode.data(), static_cast<int64_t>(decode.size()), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                     heads_, hd_, scale);
+    decode_attention(decode.data(), static_cast<int64_t>(decode.size()), kc.data_ptr(), vc.data_ptr(),
+                     cache.dtype() == at::kBFloat16, heads_, hd_, scale);
   }
 }
 
@@ -174,8 +174,8 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
     at::Tensor h = at::layer_norm(x, {d}, L.ln1_w, L.ln1_b, 1e-5);
     at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, 3 dl]
     at::Tensor q = qkv.narrow(1, 0, dl).reshape({N, heads_, hd_}).contiguous();
-    cache.keys(l).index_copy_(0, slot_t, qkv.narrow(1, dl, dl).reshape({N, heads_, hd_}));
-    cache.values(l).index_copy_(0, slot_t, qkv.narrow(1, 2 * dl, dl).reshape({N, heads_, hd_}));
+    cache.keys(l).index_copy_(0, slot_t, qkv.narrow(1, dl, dl).reshape({N, heads_, hd_}).to(cache.dtype()));
+    cache.values(l).index_copy_(0, slot_t, qkv.narrow(1, 2 * dl, dl).reshape({N, heads_, hd_}).to(cache.dtype()));
     at::Tensor y = at::empty({N, heads_, hd_}, x.options());
     attention(plan, l, q, cache, ctx, y);
     at::Tensor a = L.proj.forward(y.view({N, dl}), decode_rows, /*add_bias=*/!tp_);

@@ -34,10 +34,17 @@ struct StepPlan {
   static StepPlan deserialize(const std::vector<int64_t>& flat);
 };
 
+// The KV cache dtype `--kv-cache-dtype auto` picks: fp32 beside fp32 weights, bf16 beside the
+// compact formats (whose users chose memory over the last bits).
+inline at::ScalarType default_kv_dtype(WeightFormat f) { return f == WeightFormat::kFP32 ? at::kFloat : at::kBFloat16; }
+
 class InferenceModel {
  public:
-  // `tp`: null or a group of size 1 for one process.
-  InferenceModel(const checkpoint::Model& model, WeightFormat format, comm::CommunicatorPtr tp = nullptr);
+  // `tp`: null or a group of size 1 for one process. `bf16_dot`: bf16 weights multiply with
+  // bf16 dot products where the CPU has them (ServingLinear).
+  InferenceModel(const checkpoint::Model& model, WeightFormat format, comm::CommunicatorPtr tp = nullptr,
+                 bool bf16_dot = true);
+  bool bf16_dot() const { return head_.bf16_dot(); }
 
   const models::GPTConfig& config() const { return cfg_; }
   int64_t local_heads() const { return heads_; }

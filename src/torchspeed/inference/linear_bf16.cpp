@@ -1,0 +1,188 @@
+// Note [bf16 dot products]
+// On a CPU with AVX512-BF16, a bf16 weight need not be widened at all: VDPBF16PS multiplies 32
+// bf16 pairs and adds them into 16 fp32 lanes in one instruction, twice the multiply-adds of an
+// fp32 FMA. The activation row is rounded to bf16 once (round to nearest even, as PyTorch's
+// bf16 cast), the products are exact in fp32 and accumulate in fp32, the output stays fp32: the
+// only rounding added against the fp32 path is that of each linear's input, the one bf16
+// serving applies everywhere (transformers in bf16 also rounds every output and the residual).
+// The tiles are those of Note [Serving linear kernels]: one or two rows one channel at a time,
+// more in 4 x 4 tiles, every (row, channel) one accumulator over k in order and one reduction,
+// so a row gets the same bits alone, batched, or inside a prompt chunk of any length; prompt
+// chunks use the same kernel (it outruns oneDNN's bf16 GEMM with its fp32 output here, see
+// `torchspeed bench serve`), so chunking does not change a token either.
+#include "torchspeed/inference/linear_bf16.h"
+
+#include <ATen/Parallel.h>
+// GCC 12 warns about the "undefined" vectors inside its own AVX-512 headers (a false positive).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::inference {
+
+bool have_bf16_dot() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+namespace {
+
+#define TS_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// x (fp32, K) -> bf16 padded with zeros to Kp (a multiple of 32), round to nearest even.
+TS_BF16 void round_row(const float* x, int64_t K, int64_t Kp, uint16_t* out) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k))));
+  }
+  if (k < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k))));
+    k += 16;
+  }
+  for (; k < Kp; ++k) out[k] = 0;
+}
+
+TS_BF16 inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+TS_BF16 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) {
+  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, p));
+}
+
+// out[r * ldo + j] = dot(x + r * Kp, w + j * K), R rows by J channels, k in steps of 32. The
+// rounded rows are zero past K; the weights are masked there (their row stride is K).
+template <int R, int J>
+TS_BF16 void tile(const uint16_t* x, int64_t Kp, int64_t K, const uint16_t* w, float* out, int64_t ldo) {
+  __m512 acc[R][J];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = load_bh(w + j * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_bh(x + r * Kp + k);
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1ull);
+    __m512bh wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = load_bh(w + j * K + k, m);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_bh(x + r * Kp + k);
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < J; ++j) out[r * ldo + j] = _mm512_reduce_add_ps(acc[r][j]);
+  }
+}
+
+// The 4 x 4 tile with named accumulators (GCC keeps an array of 16 on the stack); the same
+// instruction sequence per (row, channel) as `tile`. `Prefetch`: the first group of rows over
+// these channels also requests the next 4 channels' weights, one cache line per channel per
+// step, so that streaming them from memory overlaps this tile's arithmetic.
+template <bool Prefetch>
+TS_BF16 void tile_4x4(const uint16_t* x, int64_t Kp, int64_t K, const uint16_t* w, float* out, int64_t ldo) {
+  __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+         a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+  auto step = [&](const __m512bh w0, const __m512bh w1, const __m512bh w2, const __m512bh w3, int64_t k) TS_BF16 {
+    __m512bh xv = load_bh(x + k);
+    a00 = _mm512_dpbf16_ps(a00, xv, w0); a01 = _mm512_dpbf16_ps(a01, xv, w1);
+    a02 = _mm512_dpbf16_ps(a02, xv, w2); a03 = _mm512_dpbf16_ps(a03, xv, w3);
+    xv = load_bh(x + Kp + k);
+    a10 = _mm512_dpbf16_ps(a10, xv, w0); a11 = _mm512_dpbf16_ps(a11, xv, w1);
+    a12 = _mm512_dpbf16_ps(a12, xv, w2); a13 = _mm512_dpbf16_ps(a13, xv, w3);
+    xv = load_bh(x + 2 * Kp + k);
+    a20 = _mm512_dpbf16_ps(a20, xv, w0); a21 = _mm512_dpbf16_ps(a21, xv, w1);
+    a22 = _mm512_dpbf16_ps(a22, xv, w2); a23 = _mm512_dpbf16_ps(a23, xv, w3);
+    xv = load_bh(x + 3 * Kp + k);
+    a30 = _mm512_dpbf16_ps(a30, xv, w0); a31 = _mm512_dpbf16_ps(a31, xv, w1);
+    a32 = _mm512_dpbf16_ps(a32, xv, w2); a33 = _mm512_dpbf16_ps(a33, xv, w3);
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if constexpr (Prefetch) {
+      for (int j = 4; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), _MM_HINT_T0);
+    }
+    step(load_bh(w + k), load_bh(w + K + k), load_bh(w + 2 * K + k), load_bh(w + 3 * K + k), k);
+  }
+  if (k < K) {
+    const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1ull);
+    step(load_bh(w + k, m), load_bh(w + K + k, m), load_bh(w + 2 * K + k, m), load_bh(w + 3 * K + k, m), k);
+  }
+  float* o0 = out;
+  float* o1 = out + ldo;
+  float* o2 = out + 2 * ldo;
+  float* o3 = out + 3 * ldo;
+  o0[0] = _mm512_reduce_add_ps(a00); o0[1] = _mm512_reduce_add_ps(a01); o0[2] = _mm512_reduce_add_ps(a02); o0[3] = _mm512_reduce_add_ps(a03);
+  o1[0] = _mm512_reduce_add_ps(a10); o1[1] = _mm512_reduce_add_ps(a11); o1[2] = _mm512_reduce_add_ps(a12); o1[3] = _mm512_reduce_add_ps(a13);
+  o2[0] = _mm512_reduce_add_ps(a20); o2[1] = _mm512_reduce_add_ps(a21); o2[2] = _mm512_reduce_add_ps(a22); o2[3] = _mm512_reduce_add_ps(a23);
+  o3[0] = _mm512_reduce_add_ps(a30); o3[1] = _mm512_reduce_add_ps(a31); o3[2] = _mm512_reduce_add_ps(a32); o3[3] = _mm512_reduce_add_ps(a33);
+}
+
+template <int J>
+TS_BF16 void rows_over(const uint16_t* x, int64_t rows, int64_t Kp, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= rows; m0 += 4) {
+    if constexpr (J == 4) {
+      if (m0 == 0) tile_4x4<true>(x + m0 * Kp, Kp, K, w, y + m0 * N, N);
+      else tile_4x4<false>(x + m0 * Kp, Kp, K, w, y + m0 * N, N);
+    }
+    else tile<4, J>(x + m0 * Kp, Kp, K, w, y + m0 * N, N);
+  }
+  switch (rows - m0) {
+    case 3: tile<3, J>(x + m0 * Kp, Kp, K, w, y + m0 * N, N); break;
+    case 2: tile<2, J>(x + m0 * Kp, Kp, K, w, y + m0 * N, N); break;
+    case 1: tile<1, J>(x + m0 * Kp, Kp, K, w, y + m0 * N, N); break;
+    default: break;
+  }
+}
+
+// Rows in groups whose rounded activations stay in L2 beside a block of weights.
+constexpr int64_t kRowGroup = 64;
+
+TS_BF16 void block(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K, const uint16_t* w, int64_t o0, int64_t o1,
+                   float* y, int64_t N) {
+  if (rows <= 2) {
+    for (int64_t o = o0; o < o1; ++o) {
+      if (rows == 2) tile<2, 1>(xb, Kp, K, w + o * K, y + o, N);
+      else tile<1, 1>(xb, Kp, K, w + o * K, y + o, N);
+    }
+    return;
+  }
+  for (int64_t g = 0; g < rows; g += kRowGroup) {
+    const int64_t gr = std::min(kRowGroup, rows - g);
+    int64_t o = o0;
+    for (; o + 4 <= o1; o += 4) rows_over<4>(xb + g * Kp, gr, Kp, K, w + o * K, y + g * N + o, N);
+    for (; o < o1; ++o) rows_over<1>(xb + g * Kp, gr, Kp, K, w + o * K, y + g * N + o, N);
+  }
+}
+
+}  // namespace
+
+void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint16_t* w, float* y) {
+  TS_INTERNAL_ASSERT(have_bf16_dot(), "bf16 dot products need AVX512-BF16");
+  if (rows <= 0 || N <= 0) return;  // (a step whose prompt chunks want no logits has no head rows)
+  const int64_t Kp = (K + 31) / 32 * 32;
+  std::vector<uint16_t> xb(static_cast<size_t>(rows * Kp));
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) round_row(x + r * K, K, Kp, xb.data() + r * Kp);
+  });
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t blk = 64;
+  const int64_t blocks = (N + blk - 1) / blk;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (2 * threads)), [&](int64_t bb, int64_t be) {
+    for (int64_t b = bb; b < be; ++b) block(xb.data(), rows, Kp, K, w, b * blk, std::min(N, (b + 1) * blk), y, N);
+  });
+}
+
+}  // namespace torchspeed::inference
