@@ -5,8 +5,8 @@
 #          step 3 and train to 6. Losses (exact hex) and final fp32 masters must be identical.
 # reshard: dp 4 stage 3 -> dp 2 stage 1 -> dp 1 stage 2: each load, saved again at once, has the
 #          same full optimizer state; training on from each agrees with dp 4 (fp32 tolerance).
-# faults:  SIGKILL during a save, truncated and bit-flipped shards, an unwritable folder, a save
-#          called by one rank only, keep_last.
+# faults:  SIGKILL during a save and after each step of publishing a re-save, truncated and
+#          bit-flipped shards, an unwritable folder, a save called by one rank only, keep_last.
 set -euo pipefail
 suite=$1 driver=$2 mpirun=$3
 work=$(mktemp -d "${TMPDIR:-/tmp}/ts-ckpt-XXXXXX")
@@ -100,6 +100,34 @@ faults)
   run 2 $common --steps 4 --load k --out after-kill >/dev/null
   tail -n 2 straight.losses | diff - after-kill.losses >/dev/null || fail "resuming after the killed save differs"
   echo "killed save ok"
+  # Re-saving the tag latest names, killed after each step of publishing: latest always names a
+  # complete checkpoint that loads and resumes exactly, and the next save removes what the dead
+  # job left, and nothing of a live job's or another host's.
+  h=$(hostname | tr -c 'A-Za-z0-9._\n' '_')
+  sh -c 'exit 0' & dead=$!; wait $dead
+  # Both ways of replacing the tag: renameat2's exchange, and moving the old one aside.
+  for mode in exchange aside; do
+  steps="manifest rename latest cleanup"
+  [ $mode = aside ] && export TORCHSPEED_CHECKPOINT_NO_EXCHANGE=1 && steps="manifest aside rename latest cleanup"
+  for step in $steps; do
+    rm -rf rs && cp -r k rs
+    if run 2 $common --steps 2 --load rs --save rs --save-at 2 --stop-after-save --fault publish:$step >/dev/null 2>&1; then
+      fail "the re-save killed after '$step' succeeded"
+    fi
+    # (Killed between moving the old tag aside and renaming the new one, the tag is missing:
+    # loading reads the .old folder, the next save gives it its name back.)
+    [ "$(cat rs/latest)" = global_step2 ] && { [ -f rs/global_step2/manifest.json ] || [ $step = aside ]; } ||
+      fail "after a re-save killed at '$step': $(ls -a rs)"
+    run 2 $common --steps 4 --load rs --out resaved-$mode-$step >/dev/null
+    tail -n 2 straight.losses | diff - resaved-$mode-$step.losses >/dev/null || fail "resuming after a re-save killed at '$step' differs"
+    mkdir rs/.global_step9.tmp-$h-$$-1 rs/.global_step8.tmp-otherhost-1-1 rs/.global_step7.tmp-$h-$dead-1
+    run 2 $common --steps 2 --load rs --save rs --save-at 2 --stop-after-save >/dev/null
+    left=$(cd rs && ls -a | grep -E '\.(tmp|old)-' | sort | tr '\n' ' ')
+    [ "$left" = ".global_step8.tmp-otherhost-1-1 .global_step9.tmp-$h-$$-1 " ] || fail "after a re-save ($mode) killed at '$step', left: $left"
+  done
+  done
+  unset TORCHSPEED_CHECKPOINT_NO_EXCHANGE
+  echo "killed re-saves ok (exchange and move aside)"
   # Damaged shards are named, and the engine keeps its state: training from scratch equals straight.
   cp -r k t && truncate -s -100 t/global_step2/rank00001.safetensors
   run 2 $common --steps 4 --try-load t --out truncated | tee out.txt >/dev/null

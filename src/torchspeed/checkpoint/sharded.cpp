@@ -7,19 +7,29 @@
 //     deadline with an error instead of hanging. The engine passes a communicator of its own
 //     (a save on one rank can never match another rank's training collectives) with half the
 //     training deadline, so the save's error, which names the cause, comes first.
-//  2. Rank 0 creates DIR/.TAG.tmp-PID-NS and shares its outcome.
+//  2. Rank 0 removes what dead saves of this host left (see 5) and creates
+//     DIR/.TAG.tmp-HOST-PID-NS, and shares its outcome.
 //  3. Each rank writes and fsyncs its shard into it, checksumming as it writes.
 //  4. Outcomes, sizes, checksums and per-rank state are all-gathered. Any failure: rank 0
 //     removes the temporary folder and every rank throws the same error.
-//  5. Rank 0 writes manifest.json, fsyncs, renames the folder to DIR/TAG (an existing TAG is
-//     moved aside first and removed after), fsyncs DIR, replaces DIR/latest atomically, prunes
-//     tags beyond keep_last (never the new one), and shares its outcome.
+//  5. Rank 0 writes manifest.json, fsyncs, renames the folder to DIR/TAG, fsyncs DIR, replaces
+//     DIR/latest atomically, removes what TAG held before, prunes tags beyond keep_last (never
+//     the new one), and shares its outcome. A TAG saved before (a re-save) is swapped with the
+//     temporary folder in one renameat2(RENAME_EXCHANGE), so DIR/TAG is a complete checkpoint,
+//     the old or the new, at every instant; the old one then sits in the temporary folder until
+//     it is removed. Where the filesystem cannot exchange, the old TAG is renamed to
+//     DIR/.TAG.old-HOST-PID first; if the process dies before the new one takes its name,
+//     loading reads the .old folder in its place and the next save renames it back.
 // A process killed anywhere before 5's rename leaves only a temporary folder, which loading
-// never looks at and the next save removes; DIR/latest still names the previous tag. Loading
-// verifies every file's size and CRC-32C against the manifest before any state changes.
+// never looks at and a later save removes; DIR/latest still names the previous tag. Only
+// temporaries of processes that no longer run on this host are removed, so jobs sharing DIR
+// never delete each other's saves in progress. Loading verifies every file's size and CRC-32C
+// against the manifest before any state changes.
 #include "torchspeed/checkpoint/sharded.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>  // renameat2, RENAME_EXCHANGE
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,7 +41,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <vector>
 
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
@@ -62,7 +74,8 @@ void check_tag(const std::string& tag) {
 }
 
 // Test hook (fault-injection tests): TORCHSPEED_CHECKPOINT_FAULT=kill:R or fail:R makes rank R
-// die by SIGKILL, or fail, right after writing its shard.
+// die by SIGKILL, or fail, right after writing its shard; publish:STEP kills rank 0 right after
+// step STEP of publishing (manifest, aside, rename, latest, cleanup).
 void inject_fault(int rank) {
   const char* f = std::getenv("TORCHSPEED_CHECKPOINT_FAULT");
   if (!f) return;
@@ -73,16 +86,86 @@ void inject_fault(int rank) {
   if (kind == "kill") ::raise(SIGKILL);
   if (kind == "fail") TS_CHECK(false, "injected failure (TORCHSPEED_CHECKPOINT_FAULT=", spec, ")");
 }
+void inject_publish_fault(const char* step) {
+  const char* f = std::getenv("TORCHSPEED_CHECKPOINT_FAULT");
+  if (f && std::string(f) == std::string("publish:") + step) ::raise(SIGKILL);
+}
 
-// Folders left by interrupted saves of any tag.
-void remove_stale_temporaries(const fs::path& dir) {
+std::string host_name() {
+  char buf[256] = {0};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "host";
+  std::string h(buf);
+  for (char& c : h) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_') c = '_';
+  }
+  return h.empty() ? "host" : h;
+}
+
+// The owner of a temporary named .TAG.tmp-HOST-PID-NS or .TAG.old-HOST-PID: whether it is
+// a process of this host that no longer runs. Anything else (another host, a live process, a
+// name we did not make) is left alone.
+bool owner_is_dead(const std::string& name, const std::string& kind) {
+  const auto at = name.rfind(kind);
+  if (at == std::string::npos) return false;
+  std::string rest = name.substr(at + kind.size());  // HOST-PID[-NS]
+  if (kind == ".tmp-") {
+    const auto dash = rest.rfind('-');
+    if (dash == std::string::npos) return false;
+    rest = rest.substr(0, dash);
+  }
+  const auto dash = rest.rfind('-');
+  if (dash == std::string::npos || rest.substr(0, dash) != host_name()) return false;
+  const std::string pid_s = rest.substr(dash + 1);
+  if (pid_s.empty() || pid_s.find_first_not_of("0123456789") != std::string::npos) return false;
+  const long pid = std::atol(pid_s.c_str());
+  if (pid <= 0 || pid == ::getpid()) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+// An .old folder (a re-save that died between moving TAG aside and renaming the new one, on a
+// filesystem without RENAME_EXCHANGE) of `tag` holding a complete checkpoint.
+std::optional<fs::path> moved_aside(const fs::path& dir, const std::string& tag) {
   std::error_code ec;
+  const std::string prefix = "." + tag + ".old-";
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.size() > 1 && n[0] == '.' && (n.find(".tmp-") != std::string::npos || n.find(".old-") != std::string::npos)) {
-      fs::remove_all(e.path(), ec);
+    if (n.rfind(prefix, 0) == 0 && fs::exists(e.path() / "manifest.json")) return e.path();
+  }
+  return std::nullopt;
+}
+
+// What dead saves of this host left: temporary folders are removed; a checkpoint moved aside by
+// a re-save that died before its replacement took the name gets its name back.
+void remove_stale_temporaries(const fs::path& dir) {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(dir, ec)) stale.push_back(e.path());
+  for (const auto& p : stale) {
+    const std::string n = p.filename().string();
+    if (n.size() < 2 || n[0] != '.') continue;
+    if (n.find(".tmp-") != std::string::npos && owner_is_dead(n, ".tmp-")) {
+      fs::remove_all(p, ec);
+    } else if (n.find(".old-") != std::string::npos && owner_is_dead(n, ".old-")) {
+      const std::string tag = n.substr(1, n.rfind(".old-") - 1);
+      if (!fs::exists(dir / tag) && fs::exists(p / "manifest.json")) {
+        fs::rename(p, dir / tag, ec);
+        if (ec) log::warn("checkpoint: cannot restore '", p.string(), "' as '", (dir / tag).string(), "': ", ec.message());
+      } else {
+        fs::remove_all(p, ec);
+      }
     }
   }
+}
+
+// rename(from, to) that swaps two existing folders atomically; false where the filesystem
+// cannot (EINVAL, ENOSYS, ENOTSUP), or when TORCHSPEED_CHECKPOINT_NO_EXCHANGE is set (tests of
+// the other path).
+bool swap_folders(const std::string& from, const std::string& to) {
+  if (std::getenv("TORCHSPEED_CHECKPOINT_NO_EXCHANGE")) return false;
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) return true;
+  const int e = errno;
+  TS_CHECK(e == EINVAL || e == ENOSYS || e == ENOTSUP, "cannot exchange '", from, "' and '", to, "': ", std::strerror(e));
+  return false;
 }
 
 // Keeps the newest `keep_last` complete tags (by the manifest's saved_at_ns) and `keep`.
@@ -180,7 +263,9 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
                ec ? ec.message() : "not a folder");
       remove_stale_temporaries(dir);
       const auto ns = std::chrono::system_clock::now().time_since_epoch().count();
-      tmp = (dir / concat(".", spec.tag, ".tmp-", ::getpid(), "-", ns)).string();
+      tmp = (dir / concat(".", spec.tag, ".tmp-", host_name(), "-", ::getpid(), "-", ns)).string();
+      TS_CHECK(!fs::exists(final_path) || fs::exists(final_path / "manifest.json"), "'", final_path.string(),
+               "' exists and is not a torchspeed checkpoint (no manifest.json): a save will not replace it");
       fs::create_directory(tmp, ec);
       TS_CHECK(!ec, "cannot create '", tmp, "': ", ec.message());
     });
@@ -224,6 +309,7 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
 
   // 5. Publish.
   if (root) {
+    std::string old;  // what TAG held before, once the new checkpoint has the name
     err = error_of([&] {
       nlohmann::json m = spec.manifest;
       m["format"] = kManifestFormat;
@@ -233,23 +319,34 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
       m["files"] = files;
       m["ranks"] = ranks;
       write_file_atomic(tmp + "/manifest.json", m.dump(1) + "\n");  // fsyncs the file and the folder
+      inject_publish_fault("manifest");
       std::error_code ec;
-      std::string aside;
-      if (fs::exists(final_path)) {
-        aside = (dir / concat(".", spec.tag, ".old-", ::getpid())).string();
-        fs::rename(final_path, aside, ec);
-        TS_CHECK(!ec, "cannot move the previous '", final_path.string(), "' aside: ", ec.message());
+      if (fs::exists(final_path) && swap_folders(tmp, final_path.string())) {
+        old = tmp;
+      } else {
+        if (fs::exists(final_path)) {
+          old = (dir / concat(".", spec.tag, ".old-", host_name(), "-", ::getpid())).string();
+          fs::rename(final_path, old, ec);
+          TS_CHECK(!ec, "cannot move the previous '", final_path.string(), "' aside: ", ec.message());
+          inject_publish_fault("aside");
+        }
+        fs::rename(tmp, final_path, ec);
+        TS_CHECK(!ec, "cannot rename '", tmp, "' to '", final_path.string(), "': ", ec.message());
       }
-      fs::rename(tmp, final_path, ec);
-      TS_CHECK(!ec, "cannot rename '", tmp, "' to '", final_path.string(), "': ", ec.message());
       fsync_dir(spec.dir);
+      inject_publish_fault("rename");
       write_file_atomic((dir / "latest").string(), spec.tag + "\n");
-      if (!aside.empty()) fs::remove_all(aside, ec);
+      inject_publish_fault("latest");
+      if (!old.empty()) fs::remove_all(old, ec);
+      inject_publish_fault("cleanup");
       if (spec.keep_last > 0) prune(dir, spec.keep_last, spec.tag);
     });
     if (!err.empty()) {
+      // tmp never holds the only complete copy: after an exchange TAG holds the new one. A
+      // checkpoint moved aside gets its name back if the new one did not take it.
       std::error_code ec;
       fs::remove_all(tmp, ec);
+      if (!old.empty() && old != tmp && !fs::exists(final_path)) fs::rename(old, final_path, ec);
     }
   }
   agree(comm, what, err);
@@ -259,6 +356,10 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
 Opened open_local(const std::string& path) {
   fs::path p(path);
   if (!fs::exists(p / "manifest.json") && fs::exists(p / "latest")) p /= trim(read_text((p / "latest").string()));
+  if (!fs::exists(p) && p.has_parent_path()) {
+    // A re-save that died with the old checkpoint moved aside (Note [Checkpoint protocol]).
+    if (auto aside = moved_aside(p.parent_path(), p.filename().string())) p = *aside;
+  }
   const std::string mpath = (p / "manifest.json").string();
   TS_CHECK(fs::exists(mpath), "'", path, "' is not a torchspeed checkpoint: no manifest.json",
            fs::exists(p) ? "" : " (the folder does not exist)");
