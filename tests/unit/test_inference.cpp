@@ -185,8 +185,15 @@ TEST(ServingLinear, CompactWeightsAndBatchInvariantRows) {
 }
 
 TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
-  if (!have_bf16_dot()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
   torch::manual_seed(2);
+  if (!have_bf16_dot()) {
+    // No AVX512-BF16: asking for bf16 dot products falls back to widening the weights to fp32.
+    const at::Tensor w = at::randn({70, 45}), b = at::randn({70}), x = at::randn({5, 45});
+    ServingLinear l(w, b, WeightFormat::kBF16, /*bf16_dot=*/true);
+    EXPECT_FALSE(l.bf16_dot());
+    EXPECT_TRUE(at::equal(l.forward(x, 5), ServingLinear(w, b, WeightFormat::kBF16, false).forward(x, 5)));
+    return;
+  }
   for (int64_t K : {45, 64, 200}) {  // a masked tail, whole steps of 32, both
     const at::Tensor w = at::randn({70, K}), b = at::randn({70}), x = at::randn({40, K});
     ServingLinear l(w, b, WeightFormat::kBF16, /*bf16_dot=*/true);

@@ -6,6 +6,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include "torchspeed/inference/simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -116,13 +118,7 @@ TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, con
   for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(o + 16 * c, ov[c]);
 }
 
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+using simd::widen;
 
 template <class KT>
 void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const KT* keys, const KT* values,

@@ -19,6 +19,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include "torchspeed/inference/simd.h"
+
 #include <cstring>
 
 #include "torchspeed/inference/linear_bf16.h"
@@ -118,14 +120,7 @@ TS_AVX512 void dot_tile_avx512(const float* x, int64_t K, const WT* w, float* ou
   }
 }
 
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline float widen(int8_t v) { return static_cast<float>(v); }
+using simd::widen;
 
 template <class WT>
 void dot_tile_portable(const float* x, int64_t R, int64_t K, const WT* w, int64_t J, float* out, int64_t ldo) {
@@ -178,14 +173,7 @@ TS_AVX512 void dot_tile_4x4(const float* x, int64_t K, const WT* w, float* out, 
     step(k, static_cast<__mmask16>(0xFFFF));
   }
   if (k < K) step(k, static_cast<__mmask16>((1u << (K - k)) - 1u));
-  float* o0 = out;
-  float* o1 = out + ldo;
-  float* o2 = out + 2 * ldo;
-  float* o3 = out + 3 * ldo;
-  o0[0] = _mm512_reduce_add_ps(a00); o0[1] = _mm512_reduce_add_ps(a01); o0[2] = _mm512_reduce_add_ps(a02); o0[3] = _mm512_reduce_add_ps(a03);
-  o1[0] = _mm512_reduce_add_ps(a10); o1[1] = _mm512_reduce_add_ps(a11); o1[2] = _mm512_reduce_add_ps(a12); o1[3] = _mm512_reduce_add_ps(a13);
-  o2[0] = _mm512_reduce_add_ps(a20); o2[1] = _mm512_reduce_add_ps(a21); o2[2] = _mm512_reduce_add_ps(a22); o2[3] = _mm512_reduce_add_ps(a23);
-  o3[0] = _mm512_reduce_add_ps(a30); o3[1] = _mm512_reduce_add_ps(a31); o3[2] = _mm512_reduce_add_ps(a32); o3[3] = _mm512_reduce_add_ps(a33);
+  simd::store_4x4(out, ldo, a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33);
 }
 
 // Every row against channels [o, e): tiles of 4 channels (then single ones), each passed over

@@ -18,6 +18,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include "torchspeed/inference/simd.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -119,14 +121,7 @@ TS_BF16 void tile_4x4(const uint16_t* x, int64_t Kp, int64_t K, const uint16_t* 
     const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1ull);
     step(load_bh(w + k, m), load_bh(w + K + k, m), load_bh(w + 2 * K + k, m), load_bh(w + 3 * K + k, m), k);
   }
-  float* o0 = out;
-  float* o1 = out + ldo;
-  float* o2 = out + 2 * ldo;
-  float* o3 = out + 3 * ldo;
-  o0[0] = _mm512_reduce_add_ps(a00); o0[1] = _mm512_reduce_add_ps(a01); o0[2] = _mm512_reduce_add_ps(a02); o0[3] = _mm512_reduce_add_ps(a03);
-  o1[0] = _mm512_reduce_add_ps(a10); o1[1] = _mm512_reduce_add_ps(a11); o1[2] = _mm512_reduce_add_ps(a12); o1[3] = _mm512_reduce_add_ps(a13);
-  o2[0] = _mm512_reduce_add_ps(a20); o2[1] = _mm512_reduce_add_ps(a21); o2[2] = _mm512_reduce_add_ps(a22); o2[3] = _mm512_reduce_add_ps(a23);
-  o3[0] = _mm512_reduce_add_ps(a30); o3[1] = _mm512_reduce_add_ps(a31); o3[2] = _mm512_reduce_add_ps(a32); o3[3] = _mm512_reduce_add_ps(a33);
+  simd::store_4x4(out, ldo, a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33);
 }
 
 template <int J>

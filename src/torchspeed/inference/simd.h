@@ -1,0 +1,33 @@
+// Small pieces the serving kernels share (internal: included by inference/*.cpp only, after
+// <immintrin.h>).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace torchspeed::inference::simd {
+
+// One stored element as fp32: fp32 as is, bf16 bits shifted into the high half, int8 converted.
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float widen(int8_t v) { return static_cast<float>(v); }
+
+// The 16 accumulators of a 4 x 4 tile, each reduced to its (row, channel) output.
+__attribute__((target("avx512f"))) inline void store_4x4(float* out, int64_t ldo, __m512 a00, __m512 a01, __m512 a02,
+                                                          __m512 a03, __m512 a10, __m512 a11, __m512 a12, __m512 a13,
+                                                          __m512 a20, __m512 a21, __m512 a22, __m512 a23, __m512 a30,
+                                                          __m512 a31, __m512 a32, __m512 a33) {
+  const __m512 a[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
+  for (int r = 0; r < 4; ++r) {
+    for (int j = 0; j < 4; ++j) out[r * ldo + j] = _mm512_reduce_add_ps(a[r][j]);
+  }
+}
+
+}  // namespace torchspeed::inference::simd
