@@ -107,11 +107,15 @@ TEST(EngineFeatures, MemoryAccountingFollowsTheStage) {
   auto w = world();
   const int dp = w->size();
   torch::manual_seed(3);
+  // Gradients accumulate in fp32 by default (4 bytes each), in bf16 with grad_accum_dtype bf16.
+  for (const std::string accum : {"fp32", "bf16"}) {
+  const double grad_bytes = accum == "fp32" ? 4.0 : 2.0;
   int64_t prev_total = -1;
   for (int stage : {0, 1, 2, 3}) {
     torchspeed::nn::LayerStack model;
     for (int i = 0; i < 4; ++i) model->add("fc" + std::to_string(i), torch::nn::Linear(64, 64));
     Config cfg = parse({{"train_micro_batch_size_per_gpu", 1}, {"bf16", {{"enabled", true}}},
+                        {"data_types", {{"grad_accum_dtype", accum}}},
                         {"optimizer", {{"type", "AdamW"}}},
                         {"zero_optimization", {{"stage", stage}, {"stage3_param_persistence_threshold", 0}}}});
     auto engine = torchspeed::initialize(groups(), model, cfg);
@@ -122,13 +126,14 @@ TEST(EngineFeatures, MemoryAccountingFollowsTheStage) {
     const double slack = 4.0 * 16 * dp * 16;
     auto near = [&](int64_t got, double want) { EXPECT_NEAR(static_cast<double>(got), want, slack) << "stage " << stage; };
     near(m.params, stage == 3 ? 2.0 * psi / dp : 2.0 * psi);
-    near(m.gradients, stage >= 2 ? 2.0 * psi / dp : 2.0 * psi);
+    near(m.gradients, stage >= 2 ? grad_bytes * psi / dp : grad_bytes * psi);
     near(m.master, stage >= 1 ? 4.0 * psi / dp : 4.0 * psi);
     near(m.optimizer_state, stage >= 1 ? 8.0 * psi / dp : 8.0 * psi);
     if (dp > 1 && prev_total >= 0) {
       EXPECT_LT(m.total(), prev_total) << "stage " << stage;
     }
     prev_total = m.total();
+  }
   }
 }
 

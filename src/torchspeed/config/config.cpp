@@ -25,7 +25,7 @@ const std::vector<std::string> kIgnoredFlags = {
     "disable_allgather", "dump_state", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "sparse_gradients", "fp32_allreduce",
     "gradient_accumulation_dtype", "use_data_before_expert_parallel_", "graph_harvesting",
-    "steps_per_print_all_ranks", "data_types"};
+    "steps_per_print_all_ranks"};
 // Sections validated by the components that own them.
 const std::vector<std::string> kOwnedSections = {"model", "data", "train"};
 
@@ -163,6 +163,16 @@ int64_t get_stage3_int(JsonReader& r, const std::string& name, int64_t def) {
   return a ? *a : b ? *b : def;
 }
 
+// A DeepSpeed option whose other value torchspeed does not implement: the value it always has
+// is accepted; the other is refused with the key's path and why.
+void only(JsonReader& r, const std::string& key, bool supported, bool fallback, const std::string& why) {
+  if (r.has(key) && r.get_bool(key, fallback) != supported) r.error(key, why);
+}
+// A DeepSpeed tuning knob with no counterpart here: accepted with a warning saying so when set.
+void no_effect(JsonReader& r, const std::string& key, const std::string& why) {
+  if (r.has(key)) r.warn(key, concat("has no effect in torchspeed: ", why));
+}
+
 void read_zero(JsonReader& r, ZeroConfig& c) {
   c.stage = static_cast<int>(r.get_int("stage", 0, 0, 3));
   c.contiguous_gradients = r.get_bool("contiguous_gradients", true);
@@ -185,6 +195,27 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
       r.get_bool("stage3_gather_fp16_weights_on_model_save", false);
   c.round_robin_gradients = r.get_bool("round_robin_gradients", false);
   c.ignore_unused_parameters = r.get_bool("ignore_unused_parameters", true);
+  // What torchspeed always does (or has no counterpart of), said once per key: see
+  // docs/config.md for each.
+  // Layout and collective choices with the same result either way: false warns.
+  if (!c.contiguous_gradients) {
+    r.warn("contiguous_gradients", "torchspeed always copies gradients into contiguous buffers (its flat units); "
+                                   "false has no effect");
+  }
+  if (!c.allgather_partitions) {
+    r.warn("allgather_partitions", "torchspeed always all-gathers updated partitions (no broadcast variant); "
+                                   "false has no effect");
+  }
+  only(r, "load_from_fp32_weights", true, true,
+       "torchspeed always restores parameters from the checkpoint's fp32 masters");
+  only(r, "ignore_unused_parameters", true, true,
+       "torchspeed reduces zeros for parameters without gradients; false (an error for them) is not available");
+  no_effect(r, "allgather_bucket_size", "updated parameters are all-gathered unit by unit (reduce_bucket_size)");
+  no_effect(r, "round_robin_gradients", "it orders gradients for CPU offload, which torchspeed does not have yet");
+  no_effect(r, "stage3_model_persistence_threshold", "every unit below stage3_param_persistence_threshold stays whole");
+  no_effect(r, "model_persistence_threshold", "every unit below stage3_param_persistence_threshold stays whole");
+  no_effect(r, "stage3_max_reuse_distance", "stage 3 releases a layer as soon as its forward or backward ends");
+  no_effect(r, "max_reuse_distance", "stage 3 releases a layer as soon as its forward or backward ends");
   for (const char* k : {"legacy_stage1", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
                         "zero_hpz_partition_size", "zero_quantized_weights",
                         "zero_quantized_gradients", "mics_shard_size", "pipeline_loading_checkpoint",
@@ -211,20 +242,42 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
   r.finish();
 }
 
+// DeepSpeed's activation_checkpointing section configures how deepspeed.checkpointing keeps
+// a checkpointed segment's input. torchspeed keeps it as a plain tensor in CPU memory
+// (nn/checkpoint.h; pipeline.activation_checkpoint_interval chooses the segments).
 void read_activation_checkpointing(JsonReader& r, ActivationCheckpointingConfig& c) {
   c.partition_activations = r.get_bool("partition_activations", false);
+  // Memory-saving variants with the same gradients: warned, not refused (real Megatron
+  // configs set them).
+  if (c.partition_activations) {
+    r.warn("partition_activations", "not available in torchspeed: each tensor-parallel rank keeps whole "
+                                    "checkpointed activations (same gradients, more memory)");
+  }
   c.contiguous_memory_optimization = r.get_bool("contiguous_memory_optimization", false);
+  if (c.contiguous_memory_optimization) {
+    r.warn("contiguous_memory_optimization", "not available in torchspeed: checkpointed activations are "
+                                             "separate tensors (same gradients)");
+  }
+  // Checkpoints already live in CPU memory: cpu_checkpointing (which DeepSpeed applies to
+  // partitioned activations) holds either way.
   c.cpu_checkpointing = r.get_bool("cpu_checkpointing", false);
   c.number_checkpoints = r.get_opt_int("number_checkpoints", 1);
+  if (c.number_checkpoints) {
+    r.warn("number_checkpoints", "sizes DeepSpeed's contiguous buffer, which torchspeed does not have; ignored");
+  }
+  // A device synchronisation in DeepSpeed; CPU execution is synchronous already.
   c.synchronize_checkpoint_boundary = r.get_bool("synchronize_checkpoint_boundary", false);
   c.profile = r.get_bool("profile", false);
+  if (c.profile) r.warn("profile", "torchspeed has no per-checkpoint timer; `torchspeed train --profile` times ops");
   r.finish();
 }
 
 void read_pipeline(JsonReader& r, PipelineConfig& c) {
   const auto* stages = r.raw("stages");
   if (stages && stages->is_string()) {
-    if (stages->get<std::string>() != "auto") r.error("stages", "must be an integer or \"auto\"");
+    r.error("stages", stages->get<std::string>() == "auto"
+                          ? "\"auto\" is not available in torchspeed: give the number of pipeline stages"
+                          : "must be an integer");
   } else {
     c.stages = static_cast<int>(r.get_int("stages", 1, 1, 4096));
   }
@@ -269,6 +322,17 @@ void resolve_batch(Config& c, std::optional<int64_t> train, std::optional<int64_
                                  "or run on a world size that divides it"));
     return std::nullopt;
   };
+  // Every product below fits in int64 once micro x gas x dp does (each factor is >= 1).
+  if (micro && static_cast<__int128>(*micro) * gas.value_or(1) * dp > INT64_MAX / 2) {
+    diag.errors.push_back(concat("train_micro_batch_size_per_gpu: ", *micro, " x gradient_accumulation_steps ",
+                                 gas.value_or(1), " x ", dp_str, " is beyond any batch torchspeed can count"));
+    return;
+  }
+  if (gas && static_cast<__int128>(*gas) * dp > INT64_MAX / 2) {
+    diag.errors.push_back(concat("gradient_accumulation_steps: ", *gas, " x ", dp_str,
+                                 " is beyond any batch torchspeed can count"));
+    return;
+  }
   // DeepSpeed's _set_batch_related_parameters, then _batch_assertion.
   if (train && micro && gas) {
     if (*train != *micro * *gas * dp) {
@@ -356,9 +420,11 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
     t->finish();
   }
 
-  auto train = r.get_opt_int("train_batch_size", 1);
-  auto micro = r.get_opt_int("train_micro_batch_size_per_gpu", 1);
-  auto gas = r.get_opt_int("gradient_accumulation_steps", 1);
+  // Bounded so that micro x gas x dp (dp < 2^31) cannot overflow int64 in resolve_batch.
+  constexpr int64_t kMaxBatch = int64_t{1} << 31;
+  auto train = r.get_opt_int("train_batch_size", 1, kMaxBatch);
+  auto micro = r.get_opt_int("train_micro_batch_size_per_gpu", 1, kMaxBatch);
+  auto gas = r.get_opt_int("gradient_accumulation_steps", 1, kMaxBatch);
   c.steps_per_print = static_cast<int>(r.get_int("steps_per_print", 10, 1, kMax32));
   c.wall_clock_breakdown = r.get_bool("wall_clock_breakdown", false);
   c.prescale_gradients = r.get_bool("prescale_gradients", false);
@@ -381,6 +447,16 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
   if (c.fp16.enabled && c.bf16.enabled) {
     r.error("bf16", "fp16.enabled and bf16.enabled are both true; enable one of them");
   }
+  if (auto s = r.child("data_types")) {
+    c.grad_accum_dtype = s->get_string("grad_accum_dtype", "", {"fp32", "fp16", "bf16"});
+    if (c.grad_accum_dtype == "fp16") {
+      s->error("grad_accum_dtype", "torchspeed accumulates gradients in fp32 (or bf16 for bf16 training); "
+                                   "fp16 training keeps fp32 gradients (see Note [fp16 on CPU])");
+    } else if (c.grad_accum_dtype == "bf16" && !c.bf16.enabled) {
+      s->error("grad_accum_dtype", "bf16 accumulation needs bf16.enabled (gradients are fp32 otherwise)");
+    }
+    s->finish();
+  }
   if (auto s = r.child("optimizer")) read_optimizer(*s, c.optimizer);
   if (auto s = r.child("scheduler")) read_scheduler(*s, c.scheduler);
   if (auto s = r.child("zero_optimization")) read_zero(*s, c.zero);
@@ -396,6 +472,10 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
     c.checkpoint.tag_validation = s->get_string("tag_validation", "Warn", {"Ignore", "Warn", "Fail"});
     c.checkpoint.load_universal = s->get_bool("load_universal", false);
     c.checkpoint.use_node_local_storage = s->get_bool("use_node_local_storage", false);
+    if (c.checkpoint.use_node_local_storage) {
+      s->error("use_node_local_storage", "torchspeed checkpoints need one folder every rank can read "
+                                         "(a shared filesystem); node-local checkpoints are not available");
+    }
     c.checkpoint.keep_last = static_cast<int>(s->get_int("keep_last", 0, 0, kMax32));
     s->accept("parallel_write");
     s->finish();
@@ -406,7 +486,12 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
   for (const auto& name : kForeignSections) {
     const auto* v = r.raw(name);
     if (!v) continue;
-    bool enabled = v->is_object() && v->value("enabled", false);
+    const nlohmann::json* flag = v->is_object() && v->contains("enabled") ? &(*v)["enabled"] : nullptr;
+    if (flag && !flag->is_boolean()) {
+      r.error(name, concat("enabled: expected a boolean, found ", json_type_name(*flag)));
+      continue;
+    }
+    const bool enabled = flag && flag->get<bool>();
     if (enabled) {
       r.error(name, "is a DeepSpeed feature torchspeed does not have; remove the section or set "
                     "\"enabled\": false");
@@ -463,6 +548,8 @@ nlohmann::json read_json_file(const std::string& path) {
     size_t byte = e.byte > 0 ? e.byte - 1 : 0;
     throw ConfigError({concat(path, ": invalid JSON at byte ", byte, " (", line_col(text, byte),
                            "): ", e.what())});
+  } catch (const nlohmann::json::exception& e) {  // e.g. a number beyond double's range
+    throw ConfigError({concat(path, ": invalid JSON: ", e.what())});
   }
 }
 
@@ -503,6 +590,7 @@ nlohmann::json Config::to_json() const {
   j["gradient_predivide_factor"] = gradient_predivide_factor;
   j["gradient_clipping"] = gradient_clipping;
   j["communication_data_type"] = communication_data_type.empty() ? json(nullptr) : json(communication_data_type);
+  j["data_types"] = {{"grad_accum_dtype", grad_accum_dtype.empty() ? "fp32" : grad_accum_dtype}};
   j["seed"] = seed;
   j["memory_breakdown"] = memory_breakdown;
   j["fp16"] = {{"enabled", fp16.enabled}, {"auto_cast", fp16.auto_cast},

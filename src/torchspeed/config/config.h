@@ -154,6 +154,7 @@ struct Config {
   double gradient_predivide_factor = 1.0;
   double gradient_clipping = 0.0;
   std::string communication_data_type;  // "" = the compute dtype; fp32, fp16, bf16
+  std::string grad_accum_dtype;         // data_types.grad_accum_dtype: "" (= fp32), fp32, bf16
   int64_t seed = 1234;
   bool memory_breakdown = false;
 

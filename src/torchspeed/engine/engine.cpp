@@ -36,7 +36,7 @@ at::ScalarType comm_dtype_of(const config::Config& c) {
   return at::ScalarType::Undefined;
 }
 
-zero::OptimizerSpec optimizer_of(const config::Config& c) {
+zero::OptimizerSpec optimizer_of(const config::Config& c, const std::vector<ParamGroup>& groups) {
   TS_CHECK(!c.optimizer.type.empty(),
            "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW or SGD)");
   zero::OptimizerSpec s;
@@ -53,6 +53,7 @@ zero::OptimizerSpec optimizer_of(const config::Config& c) {
   s.sgd.dampening = c.optimizer.dampening;
   s.sgd.weight_decay = c.optimizer.weight_decay;
   s.sgd.nesterov = c.optimizer.nesterov;
+  for (const auto& g : groups) s.groups.push_back(g.options);
   return s;
 }
 
@@ -87,7 +88,8 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
 }
 
 std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Module>& root,
-                                             nn::LayerStack stack, const StagePlan& plan, int tp_rank) {
+                                             nn::LayerStack stack, const StagePlan& plan, int tp_rank,
+                                             const std::vector<ParamGroup>& groups) {
   std::vector<zero::NamedParam> out;
   std::unordered_map<const void*, size_t> seen;  // tied parameters appear once, where first used
   auto add = [&](const std::string& name, const at::Tensor& p, int layer) {
@@ -103,7 +105,10 @@ std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Mo
       if (t.param == name && !t.owner) counted = false;
     // A parameter every tensor-parallel rank holds whole counts once in the norm.
     if (tp_rank > 0 && !tensor_parallel::split_of(p)) counted = false;
-    out.push_back({name, p, layer, {}, counted});
+    int group = 0;  // the first group that claims it, else the optimizer's own
+    for (size_t g = 0; g < groups.size() && group == 0; ++g)
+      if (groups[g].match && groups[g].match(name, p)) group = static_cast<int>(g) + 1;
+    out.push_back({name, p, layer, {}, counted, group});
   };
   if (stack) {
     for (size_t i = 0; i < stack->size(); ++i) {
@@ -120,9 +125,25 @@ std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Mo
 
 }  // namespace
 
+ParamGroup no_weight_decay_group(bool embeddings) {
+  ParamGroup g;
+  g.options.weight_decay = 0.0;
+  g.match = [embeddings](const std::string& name, const at::Tensor& p) {
+    if (p.dim() <= 1) return true;  // biases, LayerNorm weights
+    if (!embeddings) return false;
+    auto ends_with = [&](const std::string& suffix) {
+      return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    return ends_with("tok.weight") || ends_with("pos.weight") || name.find("embed") != std::string::npos;
+  };
+  return g;
+}
+
 Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Module> root,
-               nn::LayerStack stack, torch::nn::AnyModule any, config::Config config, StagePlan plan)
+               nn::LayerStack stack, torch::nn::AnyModule any, config::Config config, StagePlan plan,
+               std::vector<ParamGroup> param_groups)
     : groups_(std::move(groups)),
+      param_groups_(std::move(param_groups)),
       root_(std::move(root)),
       stack_(std::move(stack)),
       any_(std::move(any)),
@@ -166,9 +187,12 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
     }
   }
   zero::ZeroOptions zo;
-  zo.stage(config_.zero.stage)
+  zo.stage(zero::stage_of(config_.zero.stage))
+      .grad_accum_dtype(config_.grad_accum_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
       .reduce_bucket_numel(config_.zero.reduce_bucket_size)
       .overlap_comm(config_.zero.overlap_comm)
+      .reduce_scatter(config_.zero.reduce_scatter)
+      .sub_group_numel(config_.zero.sub_group_size)
       .prefetch_bucket_numel(config_.zero.prefetch_bucket_size)
       .param_persistence_threshold(config_.zero.param_persistence_threshold)
       .max_live_parameters(config_.zero.max_live_parameters)
@@ -181,14 +205,21 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   // buckets cannot start during the boundary backward.
   if (plan_.stages > 1) zo.overlap_comm(false);
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
-  zero_ = std::make_unique<zero::ZeroOptimizer>(collect_params(root_, stack_, plan_, groups_.tp->rank()), layers, groups_.dp,
-                                                zo, optimizer_of(config_));
+  zero_ = zero::make_zero_optimizer(collect_params(root_, stack_, plan_, groups_.tp->rank(), param_groups_), layers,
+                                    groups_.dp, zo, optimizer_of(config_, param_groups_));
+  layer_hooks_ = zero_->layer_hooks();
   // Activation checkpointing: segments of `interval` layers keep only their input.
   if (const int k = config_.pipeline.activation_checkpoint_interval; k > 0) {
     for (size_t b = 0; b < stack_->size(); b += static_cast<size_t>(k)) {
       const size_t e = std::min(stack_->size(), b + static_cast<size_t>(k));
       segments_.push_back([this, b, e](const at::Tensor& x) { return run_layers(x, b, e, at::GradMode::is_enabled()); });
     }
+  }
+  if (groups_.world->rank() == 0 && (config_.tensorboard.enabled || config_.csv_monitor.enabled)) {
+    monitor::MonitorConfig mc;
+    mc.tensorboard = {config_.tensorboard.enabled, config_.tensorboard.output_path, config_.tensorboard.job_name};
+    mc.csv = {config_.csv_monitor.enabled, config_.csv_monitor.output_path, config_.csv_monitor.job_name};
+    monitor_ = std::make_unique<monitor::Monitor>(mc);
   }
   root_->train();
   log::debug("engine: ", zero_->num_params(), " parameters, ZeRO stage ", config_.zero.stage, ", ",
@@ -205,6 +236,11 @@ at::ScalarType Engine::compute_dtype() const {
 at::Tensor Engine::run(const at::Tensor& input) {
   at::Tensor x = input;
   if (x.is_floating_point() && x.scalar_type() != compute_dtype()) x = x.to(compute_dtype());
+  // fp16.auto_cast: DeepSpeed casts floating inputs to fp16; here fp16 values in fp32 tensors
+  // (Note [fp16 on CPU]). Without it inputs keep their precision, as in DeepSpeed.
+  if (precision_ == precision::Precision::kFP16 && config_.fp16.auto_cast && x.is_floating_point()) {
+    x = x.to(at::kHalf).to(compute_dtype());
+  }
   if (!stack_) return any_.forward(x);
   const bool grad = at::GradMode::is_enabled() && root_->is_training();
   if (segments_.empty() || !grad) return run_layers(x, 0, stack_->size(), grad);
@@ -215,9 +251,9 @@ at::Tensor Engine::run(const at::Tensor& input) {
 at::Tensor Engine::run_layers(const at::Tensor& input, size_t begin, size_t end, bool grad) {
   at::Tensor x = input;
   for (size_t i = begin; i < end; ++i) {
-    zero_->pre_layer_forward(static_cast<int>(i));
+    if (layer_hooks_) layer_hooks_->before_forward(static_cast<int>(i));
     x = stack_->run_layer(i, x);
-    x = zero_->post_layer_forward(static_cast<int>(i), x, grad);
+    if (layer_hooks_) x = layer_hooks_->after_forward(static_cast<int>(i), x, grad);
   }
   return x;
 }
@@ -253,6 +289,7 @@ void Engine::backward(const at::Tensor& loss) {
   zero_->begin_backward(is_gradient_accumulation_boundary());
   const double factor = scaler_.scale() / static_cast<double>(config_.gradient_accumulation_steps);
   at::Tensor scaled = loss.to(at::kFloat) * factor;
+  if (monitor_) window_loss_ += loss.item<double>();
   scaled.backward();
   zero_->finish_backward();
   backward_s_ += since(t);
@@ -275,6 +312,23 @@ void Engine::optimizer_step() {
     grad_norm_ = r.grad_norm;
   }
   ++global_steps_;
+  if (monitor_ && plan_.stages == 1) {
+    write_monitor_events(window_loss_ / static_cast<double>(config_.gradient_accumulation_steps));
+  }
+  window_loss_ = 0.0;
+}
+
+void Engine::write_monitor_events(std::optional<double> train_loss) {
+  // DeepSpeed's engine: at each optimizer step, on rank 0, the step counted in samples; lr is
+  // the schedule's after the step; loss_scale only for fp16. The loss is rank 0's mean over
+  // the window's micro-batches (pipeline: the mean over data-parallel ranks, as DeepSpeed's
+  // pipeline engine reports it).
+  const int64_t samples = global_steps_ * config_.train_batch_size;
+  std::vector<monitor::Event> events;
+  if (train_loss) events.push_back({"Train/Samples/train_loss", *train_loss, samples});
+  events.push_back({"Train/Samples/lr", schedule_.lr(), samples});
+  if (precision_ == precision::Precision::kFP16) events.push_back({"Train/Samples/loss_scale", scaler_.scale(), samples});
+  monitor_->write_events(events);
 }
 
 void Engine::zero_grad() { zero_->zero_grad(); }
@@ -315,6 +369,7 @@ EngineTimings Engine::timings() const {
   t.allgather_s = zero_->timings().allgather_s;
   t.buckets_launched_in_backward = zero_->timings().buckets_launched_in_backward;
   t.buckets_launched_after = zero_->timings().buckets_launched_after;
+  t.optimizer_sub_groups = zero_->timings().optimizer_sub_groups;
   t.pipeline_busy_s = pipe_busy_s_;
   t.pipeline_schedule_s = pipe_schedule_s_;
   return t;
@@ -330,20 +385,20 @@ parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Confi
 }
 
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, nn::LayerStack model,
-                                   const config::Config& config) {
+                                   const config::Config& config, const std::vector<ParamGroup>& param_groups) {
   std::shared_ptr<torch::nn::Module> root = model.ptr();
-  return std::make_unique<Engine>(groups, root, model, torch::nn::AnyModule(), config);
+  return std::make_unique<Engine>(groups, root, model, torch::nn::AnyModule(), config, StagePlan{}, param_groups);
 }
 
 std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,
-                                   const config::Config& config) {
-  return initialize(make_groups(runtime, config), std::move(model), config);
+                                   const config::Config& config, const std::vector<ParamGroup>& param_groups) {
+  return initialize(make_groups(runtime, config), std::move(model), config, param_groups);
 }
 
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const nn::StackSpec& spec,
-                                   const config::Config& config) {
+                                   const config::Config& config, const std::vector<ParamGroup>& param_groups) {
   const int stages = groups.grid.pp();
-  if (stages == 1) return initialize(groups, nn::build(spec), config);
+  if (stages == 1) return initialize(groups, nn::build(spec), config, param_groups);
   const auto bounds = pipeline::partition(spec, stages, config.pipeline.partition_method);
   const int stage = groups.coord.pp;
   StagePlan plan;
@@ -371,21 +426,23 @@ std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const
   log::debug("pipeline stage ", stage, " of ", stages, ": layers ", bounds[static_cast<size_t>(stage)], "..",
              bounds[static_cast<size_t>(stage) + 1] - 1);
   std::shared_ptr<torch::nn::Module> root = local.ptr();
-  return std::make_unique<Engine>(groups, root, local, torch::nn::AnyModule(), config, std::move(plan));
+  return std::make_unique<Engine>(groups, root, local, torch::nn::AnyModule(), config, std::move(plan), param_groups);
 }
 
-std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config) {
-  return initialize(make_groups(runtime, config), spec, config);
+std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config,
+                                   const std::vector<ParamGroup>& param_groups) {
+  return initialize(make_groups(runtime, config), spec, config, param_groups);
 }
 
 std::unique_ptr<Engine> initialize_module(const parallel::ParallelGroups& groups,
                                           std::shared_ptr<torch::nn::Module> root,
-                                          torch::nn::AnyModule any, const config::Config& config) {
+                                          torch::nn::AnyModule any, const config::Config& config,
+                                          const std::vector<ParamGroup>& param_groups) {
   TS_CHECK(config.zero.stage < 3,
            "ZeRO stage 3 needs a LayerStack model (it gathers parameters layer by layer); build "
            "the model as a torchspeed::nn::LayerStack or use stage 0-2");
   return std::make_unique<Engine>(groups, std::move(root), nn::LayerStack(nullptr), std::move(any),
-                                  config);
+                                  config, StagePlan{}, param_groups);
 }
 
 }  // namespace torchspeed

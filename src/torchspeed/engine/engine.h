@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "torchspeed/config/config.h"
+#include "torchspeed/monitor/ds_monitor.h"
 #include "torchspeed/nn/checkpoint.h"
 #include "torchspeed/nn/layer_spec.h"
 #include "torchspeed/nn/layer_stack.h"
@@ -29,6 +30,7 @@ namespace torchspeed {
 struct EngineTimings {
   double forward_s = 0, backward_s = 0, reduce_wait_s = 0, optimizer_s = 0, allgather_s = 0;
   int64_t buckets_launched_in_backward = 0, buckets_launched_after = 0;
+  int64_t optimizer_sub_groups = 0;  // fused optimizer calls so far (zero_optimization.sub_group_size)
   // Pipeline stages: time in forward and backward instructions, and the schedule's wall time up
   // to the gradient reductions; 1 - busy / schedule is the stage's bubble.
   double pipeline_busy_s = 0, pipeline_schedule_s = 0;
@@ -45,11 +47,25 @@ struct StagePlan {
   std::vector<Tie> ties;
 };
 
+// A parameter group with its own hyperparameters (torch::optim's param groups): the parameters
+// `match` claims by name (as in named_parameters() of the layers; the first group that claims
+// a parameter gets it, the rest stay in the optimizer's own group). An unset lr follows the
+// schedule; a set one is scaled by the schedule as the optimizer's lr is.
+struct ParamGroup {
+  std::function<bool(const std::string& name, const at::Tensor& param)> match;
+  zero::ParamGroupOptions options;
+};
+// GPT-2/Megatron's rule: biases and norm weights (every parameter with one dimension) take no
+// weight decay; embeddings neither when `embeddings` (names ending in the embedding modules'
+// "tok.weight"/"pos.weight", or any name containing "embed").
+ParamGroup no_weight_decay_group(bool embeddings);
+
 class Engine {
  public:
   // A LayerStack (every ZeRO stage) or any module with forward(Tensor) -> Tensor (stages 0-2).
   Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Module> root,
-         nn::LayerStack stack, torch::nn::AnyModule any, config::Config config, StagePlan plan = {});
+         nn::LayerStack stack, torch::nn::AnyModule any, config::Config config, StagePlan plan = {},
+         std::vector<ParamGroup> param_groups = {});
   ~Engine();
 
   // The model's output. Floating inputs are cast to the compute dtype.
@@ -134,6 +150,11 @@ class Engine {
   // Full fp32 master weights by name, the whole model on every rank (collective over every
   // rank; with pipeline stages each tied weight once, under its first stage's name).
   std::vector<std::pair<std::string, at::Tensor>> master_params();
+  // DeepSpeed's save_16bit_model: the whole model's weights in the training dtype (bf16, fp16;
+  // fp32 for fp32 training) in one safetensors file DIR/FILENAME, written atomically by world
+  // rank 0. At ZeRO stage 3 only with zero_optimization.gather_16bit_weights_on_model_save (as
+  // in DeepSpeed, without it nothing is written and every rank returns false). Collective.
+  bool save_16bit_model(const std::string& dir, const std::string& filename = "model.safetensors");
 
  private:
   at::Tensor run(const at::Tensor& input);
@@ -144,9 +165,13 @@ class Engine {
   at::Tensor recv_activation(int mb);
   double mean_over_data_parallel(double v) const;
   nlohmann::json export_counters() const;
+  // DeepSpeed's monitor events of the step just taken (world rank 0, tensorboard/csv_monitor).
+  void write_monitor_events(std::optional<double> train_loss);
   void make_checkpoint_comm();
 
   parallel::ParallelGroups groups_;
+  std::vector<ParamGroup> param_groups_;
+  zero::LayerHooks* layer_hooks_ = nullptr;  // the optimizer's, when it gathers per layer
   comm::CommunicatorPtr checkpoint_comm_;  // the world, apart: see Note [Checkpoint protocol]
   std::shared_ptr<torch::nn::Module> root_;
   nn::LayerStack stack_;      // empty for plain modules
@@ -163,6 +188,8 @@ class Engine {
   StagePlan plan_;
   std::vector<at::Tensor> tied_params_;  // plan_.ties' parameters (ZeRO re-points their data, same tensors)
   std::vector<nn::Segment> segments_;    // activation checkpointing: a segment per interval
+  std::unique_ptr<monitor::Monitor> monitor_;  // world rank 0, when a monitor is enabled
+  double window_loss_ = 0.0;                   // sum of this accumulation window's losses (monitor)
   pipeline::ScheduleKind pipe_schedule_ = pipeline::ScheduleKind::k1F1B;
   std::vector<int64_t> act_shape_sent_, act_shape_recv_;  // exchanged once (see engine_pipeline.cpp)
   at::ScalarType act_dtype_recv_ = at::kFloat;
@@ -172,31 +199,36 @@ class Engine {
 // From a spec: with pipeline.stages > 1 each rank builds only its stage's layers (partitioned by
 // pipeline.partition_method), and tied weights are kept equal across stages.
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const nn::StackSpec& spec,
-                                   const config::Config& config);
-std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config);
+                                   const config::Config& config,
+                                   const std::vector<ParamGroup>& param_groups = {});
+std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config,
+                                   const std::vector<ParamGroup>& param_groups = {});
 
 // Builds the process grid and its groups from the config over every rank of the job.
 std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,
-                                   const config::Config& config);
+                                   const config::Config& config,
+                                   const std::vector<ParamGroup>& param_groups = {});
 // Over groups the caller built (several engines can share communicators).
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, nn::LayerStack model,
-                                   const config::Config& config);
+                                   const config::Config& config,
+                                   const std::vector<ParamGroup>& param_groups = {});
 
 std::unique_ptr<Engine> initialize_module(const parallel::ParallelGroups& groups,
                                           std::shared_ptr<torch::nn::Module> root,
-                                          torch::nn::AnyModule any, const config::Config& config);
+                                          torch::nn::AnyModule any, const config::Config& config,
+                                          const std::vector<ParamGroup>& param_groups = {});
 parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config);
 
 // Any LibTorch module with forward(Tensor) -> Tensor (ZeRO stages 0-2).
 template <typename ModuleHolder>
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, ModuleHolder model,
-                                   const config::Config& config) {
-  return initialize_module(groups, model.ptr(), torch::nn::AnyModule(model), config);
+                                   const config::Config& config, const std::vector<ParamGroup>& param_groups = {}) {
+  return initialize_module(groups, model.ptr(), torch::nn::AnyModule(model), config, param_groups);
 }
 template <typename ModuleHolder>
 std::unique_ptr<Engine> initialize(const Runtime& runtime, ModuleHolder model,
-                                   const config::Config& config) {
-  return initialize(make_groups(runtime, config), std::move(model), config);
+                                   const config::Config& config, const std::vector<ParamGroup>& param_groups = {}) {
+  return initialize(make_groups(runtime, config), std::move(model), config, param_groups);
 }
 
 }  // namespace torchspeed

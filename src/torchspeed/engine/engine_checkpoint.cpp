@@ -8,12 +8,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 
 #include "torchspeed/checkpoint/reshard.h"
 #include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/logging.h"
 #include "torchspeed/tensor_parallel/layers.h"
 
 #ifndef TORCHSPEED_VERSION
@@ -175,6 +177,24 @@ std::optional<Engine::LoadedCheckpoint> Engine::load_checkpoint(const std::strin
     set_rng_state(ranks[r]["rng_cpu"].get<std::string>(), where + " rng_cpu");
   const auto& cs = r < ranks.size() ? ranks[r] : ranks.at(0);
   return LoadedCheckpoint{opened->path, cs.value("client_state", nlohmann::json::object())};
+}
+
+bool Engine::save_16bit_model(const std::string& dir, const std::string& filename) {
+  if (config_.zero.stage == 3 && !config_.zero.gather_16bit_weights_on_model_save) {
+    log::warn0("save_16bit_model: nothing saved: at ZeRO stage 3 the weights are partitioned; set "
+               "zero_optimization.stage3_gather_16bit_weights_on_model_save to gather them");
+    return false;
+  }
+  auto params = master_params();  // collective: every rank takes part
+  if (groups_.rank != 0) return true;
+  const at::ScalarType dtype = precision_ == precision::Precision::kBF16   ? at::kBFloat16
+                               : precision_ == precision::Precision::kFP16 ? at::kHalf
+                                                                           : at::kFloat;
+  checkpoint::NamedTensors out;
+  for (auto& [name, t] : params) out.emplace_back(name, t.to(dtype).contiguous());
+  std::filesystem::create_directories(dir);
+  checkpoint::save_safetensors(dir + "/" + filename, out, {{"format", "pt"}});
+  return true;
 }
 
 }  // namespace torchspeed

@@ -228,7 +228,9 @@ double Engine::pipeline_batch(const MicroBatchSource& next, bool train) {
   // The loss lives on the last stage; every stage reports it.
   at::Tensor loss = at::full({1}, last ? loss_sum / M : 0.0, at::kDouble);
   groups_.pp->broadcast(loss, plan_.stages - 1);
-  return mean_over_data_parallel(loss.item<double>());
+  const double mean = mean_over_data_parallel(loss.item<double>());
+  if (train && monitor_) write_monitor_events(mean);
+  return mean;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::master_params() {

@@ -1,7 +1,8 @@
 // ZeroOptimizer: data-parallel training state of one model replica across the DP group —
 // parameters as views into per-unit flat buffers, gradient reduction in buckets during backward,
-// ZeRO stage 0-3 partitioning of master weights, optimizer state, gradients and parameters, and
-// the fused optimizer step. See Note [Units] in zero_optimizer.cpp.
+// partitioning of master weights, optimizer state, gradients and parameters, and the fused
+// optimizer step. One class per ZeRO strategy behind this interface (Note [ZeRO strategies] in
+// zero_optimizer.cpp); make_zero_optimizer() picks it from the stage.
 #pragma once
 
 #include <torch/arg.h>
@@ -20,18 +21,29 @@
 #include "torchspeed/precision/loss_scaler.h"
 #include "torchspeed/zero/partition_layout.h"
 
-namespace torch::autograd {
-struct Node;
-}
-
 namespace torchspeed::zero {
 
+namespace detail {
+struct Unit;
+}
+
+// DeepSpeed's zero_optimization.stage.
+enum class Stage { k0 = 0, k1 = 1, k2 = 2, k3 = 3 };
+Stage stage_of(int stage);  // throws for anything but 0-3
+inline int stage_number(Stage s) { return static_cast<int>(s); }
+
 struct ZeroOptions {
-  TORCH_ARG(int, stage) = 0;
+  TORCH_ARG(Stage, stage) = Stage::k0;
   // Elements per gradient bucket (stages 0-2); stage 3 buckets are the layers.
   TORCH_ARG(int64_t, reduce_bucket_numel) = 500000000;
   // Reduce buckets during backward as they complete (else all after backward).
   TORCH_ARG(bool, overlap_comm) = false;
+  // Average gradients with reduce-scatter where a rank updates only its shard (stages 1-3),
+  // else with all-reduce (DeepSpeed's zero_optimization.reduce_scatter).
+  TORCH_ARG(bool, reduce_scatter) = true;
+  // Most elements one fused optimizer call updates (DeepSpeed's sub_group_size): the step runs
+  // over the partition in sub-groups of at most this size.
+  TORCH_ARG(int64_t, sub_group_numel) = 1000000000;
   // Stage 3: elements gathered ahead of the layer that runs.
   TORCH_ARG(int64_t, prefetch_bucket_numel) = 50000000;
   // Stage 3: units (layers) with fewer elements stay whole on every rank.
@@ -39,8 +51,13 @@ struct ZeroOptions {
   // Stage 3: most elements gathered at once, prefetches included.
   TORCH_ARG(int64_t, max_live_parameters) = 1000000000;
   TORCH_ARG(precision::Precision, precision) = precision::Precision::kFP32;
-  // dtype of gradient reductions; Undefined = the gradients' own dtype (fp16 for fp16 training).
+  // dtype of gradient reductions; Undefined = the dtype of the buffer reduced (fp16 for fp16
+  // training).
   TORCH_ARG(at::ScalarType, communication_dtype) = at::ScalarType::Undefined;
+  // dtype gradients accumulate in across micro-steps (DeepSpeed's data_types.grad_accum_dtype):
+  // kFloat (the default: also for bf16 training, as DeepSpeed's bf16 optimizer does) or
+  // kBFloat16 for bf16 training (accumulate in the parameters' dtype, half the memory).
+  TORCH_ARG(at::ScalarType, grad_accum_dtype) = at::kFloat;
   TORCH_ARG(double, gradient_predivide_factor) = 1.0;
   TORCH_ARG(bool, prescale_gradients) = false;
   // The other ranks holding the rest of the model (pipeline stages): the gradient norm and the
@@ -48,10 +65,18 @@ struct ZeroOptions {
   TORCH_ARG(comm::CommunicatorPtr, norm_group) = nullptr;
 };
 
+// Hyperparameters of one parameter group; unset fields take the optimizer's own.
+struct ParamGroupOptions {
+  std::optional<double> lr;            // scheduled lr x (this lr / the optimizer's lr)
+  std::optional<double> weight_decay;
+};
+
 struct OptimizerSpec {
   std::string type = "AdamW";  // Adam, AdamW, SGD
   optim::AdamHyper adam;
   optim::SgdHyper sgd;
+  // Groups 1..n (NamedParam::group); group 0 is the optimizer's own hyperparameters.
+  std::vector<ParamGroupOptions> groups;
 };
 
 struct NamedParam {
@@ -62,6 +87,7 @@ struct NamedParam {
   // false for a copy of a weight another stage also holds (a tied weight on its later stages):
   // its gradient counts once in the global norm.
   bool count_in_norm = true;
+  int group = 0;  // parameter group (OptimizerSpec::groups)
 };
 
 struct StepResult {
@@ -85,20 +111,36 @@ struct Timings {
   double allgather_s = 0.0;    // re-gathering updated parameters (stage 1/2) and layers (stage 3)
   int64_t buckets_launched_in_backward = 0;  // reductions started by gradient hooks (overlap)
   int64_t buckets_launched_after = 0;        // reductions started once backward returned
+  int64_t optimizer_sub_groups = 0;          // fused optimizer calls (sub_group_size pieces)
+};
+
+// Bytes of transient buffers (gathered layers, buckets) live now and at most.
+struct TransientBytes {
+  int64_t now = 0, peak = 0;
+  void add(int64_t delta) {
+    now += delta;
+    if (now > peak) peak = now;
+  }
+};
+
+// What the engine calls around each layer of a LayerStack when the strategy gathers parameters
+// per layer (stage 3); the strategies that keep parameters whole have none.
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void before_forward(int layer) = 0;
+  // Returns the layer's output, wrapped so that its backward gathers the layer first.
+  virtual at::Tensor after_forward(int layer, const at::Tensor& output, bool grad_enabled) = 0;
 };
 
 class ZeroOptimizer {
  public:
-  // `params` in model order, each tensor once (tied parameters deduplicated by the caller).
-  // `num_layers` > 0 for a LayerStack (stage 3 needs it): then each param has its layer.
-  ZeroOptimizer(std::vector<NamedParam> params, int num_layers, comm::CommunicatorPtr dp,
-                ZeroOptions options, OptimizerSpec optimizer);
-  ~ZeroOptimizer();
+  virtual ~ZeroOptimizer();
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
 
   // Backward of the micro-step that ends an accumulation window reduces across ranks
-  // (stage 0/1); stage 2/3 reduce every micro-step.
+  // (replicated gradients); partitioned gradients reduce every micro-step.
   void begin_backward(bool boundary);
   void finish_backward();
 
@@ -107,24 +149,23 @@ class ZeroOptimizer {
   StepResult step(double loss_scale, double clip_norm, double lr, std::optional<double> beta1);
   void zero_grad();
 
-  // Stage 3, around each layer of a LayerStack.
-  void pre_layer_forward(int layer);
-  at::Tensor post_layer_forward(int layer, const at::Tensor& output, bool grad_enabled);
-  void gather_for_backward(int layer);  // called by the autograd hook of post_layer_forward
+  // Null unless the strategy gathers parameters layer by layer (stage 3).
+  virtual LayerHooks* layer_hooks() { return nullptr; }
 
-  int stage() const { return options_.stage(); }
+  Stage strategy() const { return strategy_; }
   int64_t num_params() const { return total_numel_; }
   int64_t steps_taken() const { return step_count_; }
   MemoryReport memory() const;
   const Timings& timings() const { return timings_; }
+  at::ScalarType grad_accum_dtype() const { return accum_dtype_; }
 
   // Every parameter's fp32 master value, full shape, by name in model order. Collective over the
-  // DP group (stage 1-3 gather the partitions).
+  // DP group (sharded strategies gather the partitions).
   std::vector<std::pair<std::string, at::Tensor>> gather_master();
 
   // This rank's optimizer partition: fp32 "master" weights, "exp_avg" and "exp_avg_sq" (SGD:
   // "momentum"), each [partition elements]; and the step count. Restoring re-derives the model's
-  // parameters from the masters (and re-gathers them for stages 1-2). Collective.
+  // parameters from the masters (and re-gathers them where sharded). Collective.
   // copy=false returns views of the live buffers where it can (valid until the next step).
   std::vector<std::pair<std::string, at::Tensor>> export_partition(bool copy = true) const;
   // Tensors nobody else holds are adopted as the live buffers instead of copied.
@@ -138,54 +179,92 @@ class ZeroOptimizer {
 
   // Names and shapes in model order (for checkpoints and reports).
   std::vector<std::pair<std::string, std::vector<int64_t>>> param_shapes() const;
+  // Each parameter's group, by name in model order.
+  std::vector<std::pair<std::string, int>> param_groups() const;
 
- private:
-  struct Unit;
-  void build_units(std::vector<NamedParam> params, int num_layers);
-  void allocate(std::vector<at::Tensor> originals);
-  void register_hooks();
-  void on_grad_ready(size_t unit, size_t index);
-  void launch_ready();
-  void launch(size_t unit);
-  void finalize(size_t unit);
+ protected:
+  // `sharded`: rank r updates only its shard of each unit and the shards are all-gathered after
+  // the step (stages 1-3); else every rank updates whole units (stage 0).
+  ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptions options, OptimizerSpec optimizer,
+                bool sharded);
+  // Builds the units from parameter lists (each becomes one unit), allocates the buffers and
+  // registers the gradient hooks. Called by the strategy's constructor.
+  void build(std::vector<std::vector<NamedParam>> units);
+
+  // --- what a strategy decides -------------------------------------------------------------
+  // Whether a unit's parameters stay whole on every rank (else only while its layer runs).
+  virtual bool keeps_whole(const detail::Unit& u) const { return true; }
+  // Whether backward reduces in every micro-step (else only in the accumulation boundary's).
+  virtual bool reduces_every_micro_step() const = 0;
+  // Allocates a unit's strategy state: gradient buffers, stage 3 shards (called once per unit
+  // by build(), after every unit's partition range is known).
+  virtual void allocate(detail::Unit& u) = 0;
+  // A parameter's gradient for this micro-step is in its .grad.
+  virtual void on_gradient(size_t unit, size_t param) = 0;
+  // Every parameter of the unit has its gradient.
+  virtual void on_unit_complete(size_t unit) {}
+  virtual void launch(size_t unit) = 0;
+  virtual void finalize(size_t unit) = 0;
+  // The unit's gradient over this rank's owned shard [rank*shard, +shard) and over its update
+  // range [update_begin, +part_size), after all reductions finished.
+  virtual at::Tensor owned_grad(detail::Unit& u) = 0;
+  virtual at::Tensor update_grad(detail::Unit& u) = 0;
+  virtual void reset_grads() = 0;
+  virtual int64_t gradient_bytes() const = 0;
+  // Parameters whose layer is not gathered right now (stage 3), before backward and after it.
+  virtual void release_idle() {}
+  virtual void before_import() {}
+
+  // Gradient buffer of a unit in the communication dtype, scaled for DeepSpeed's averaging;
+  // sets `op`. Tracks its bytes when it is a separate buffer.
+  at::Tensor comm_buffer(detail::Unit& u, comm::ReduceOp& op);
+  // Undoes the predivide factor after the reduction (postscale) on `buf`.
+  void after_reduce(at::Tensor& buf) const;
   void poll_finished();
-  void gather(size_t unit, bool async);
-  void ensure_gathered(size_t unit);
-  void release(size_t unit);
-  void prefetch_after(int layer, int direction);
-  void track(int64_t delta);
-
   at::ScalarType storage_dtype() const;
-  at::ScalarType comm_dtype() const;
-  // How updated masters are written to the model's parameters; fp32 training updates them in
-  // place (kNone) unless the masters are a separate copy (restoring a checkpoint).
-  optim::ParamOut param_out(bool master_is_param) const;
-  bool transient_grads() const { return options_.stage() >= 2; }
+  at::ScalarType comm_dtype(at::ScalarType buffer) const;
 
   comm::CommunicatorPtr dp_;
   ZeroOptions options_;
   OptimizerSpec opt_;
+  Stage strategy_;
+  bool sharded_;
   int dp_size_, dp_rank_;
-  std::vector<std::unique_ptr<Unit>> units_;
-  std::vector<std::vector<size_t>> layer_units_;  // stage 3: units each layer needs
+  at::ScalarType accum_dtype_;
+  std::vector<std::unique_ptr<detail::Unit>> units_;
   int64_t total_numel_ = 0;
   int64_t part_numel_ = 0;  // elements of this rank's partition buffers
+  std::vector<size_t> in_flight_;  // launched, not finalized, in launch order
+  TransientBytes transient_;
+  Timings timings_;
+
+ private:
+  void register_hooks();
+  void on_grad_ready(size_t unit, size_t index);
+  void launch_ready();
+  void wait_reductions();
+  // How updated masters are written to the model's parameters; fp32 training updates them in
+  // place (kNone) unless the masters are a separate copy (restoring a checkpoint).
+  optim::ParamOut param_out(bool master_is_param) const;
+  at::Tensor update_dest(detail::Unit& u);
+  void gather_updated();
 
   at::Tensor master_;     // fp32 [part]: bf16/fp16 training
   at::Tensor exp_avg_;    // fp32 [part] (SGD: momentum)
   at::Tensor exp_avg_sq_; // fp32 [part]
-  at::Tensor grad_part_;  // storage dtype [part]: stage 2/3 gradient partition
-
   // The AccumulateGrad nodes our hooks sit on, kept alive (std::shared_ptr in LibTorch 1.13,
   // c10::intrusive_ptr in 2.x: whatever grad_accumulator returns).
   using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<GradAccumulatorPtr> grad_accumulators_;
   bool reduce_now_ = false;
   int next_launch_ = -1;
-  std::vector<size_t> in_flight_;  // launched, not finalized, in launch order
   int64_t step_count_ = 0;
-  int64_t transient_bytes_ = 0, peak_transient_ = 0;
-  Timings timings_;
 };
+
+// `params` in model order, each tensor once (tied parameters deduplicated by the caller).
+// `num_layers` > 0 for a LayerStack (stage 3 needs it): then each param has its layer.
+std::unique_ptr<ZeroOptimizer> make_zero_optimizer(std::vector<NamedParam> params, int num_layers,
+                                                   comm::CommunicatorPtr dp, ZeroOptions options,
+                                                   OptimizerSpec optimizer);
 
 }  // namespace torchspeed::zero

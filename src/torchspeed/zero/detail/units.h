@@ -1,0 +1,60 @@
+// The unit: a padded flat buffer of whole parameters, the granularity of every ZeRO
+// reduction, gather and partition (Note [Units] in zero_optimizer.cpp). Internal to zero/.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "torchspeed/comm/communicator.h"
+#include "torchspeed/zero/zero_optimizer.h"
+
+namespace torchspeed::zero::detail {
+
+struct UnitParam {
+  std::string name;
+  at::Tensor param;
+  std::vector<int64_t> shape;
+  int64_t offset = 0, numel = 0;
+  bool ready = false;
+  bool count_in_norm = true;
+  int group = 0;
+};
+
+// A run of the update range whose parameters share a parameter group.
+struct Segment {
+  int64_t begin = 0, length = 0;  // relative to the update range
+  int group = 0;
+};
+
+struct Unit {
+  std::vector<UnitParam> params;
+  int64_t numel = 0, padded = 0, shard = 0;
+  int64_t part_offset = 0, part_size = 0;  // this unit's range in the partition buffers
+  int64_t update_begin = 0;  // where this rank's update range starts in the unit
+  std::vector<Segment> segments;
+  at::Tensor full;         // [padded] storage dtype; params are views (stage 3: released when idle)
+  // Stage 3, a unit gathered per use: this rank's shard [shard] and the gathering state.
+  at::Tensor shard_param;
+  bool persistent = true;
+  bool gathered = true;
+  comm::WorkPtr gather_work;
+  // Gradients: [padded] in the accumulation dtype (replicated) or a transient bucket in the
+  // storage dtype (partitioned), its copy in the communication dtype, and the reduce-scatter
+  // output [shard].
+  at::Tensor grad, comm_buf, recv;
+  comm::WorkPtr work;
+  int ready = 0;
+  bool launched = false;
+  bool part_fresh = true;  // partitioned: the next reduction overwrites the partition (no add)
+};
+
+// Parameters grouped into units: reverse model order cut at `bucket_numel` elements, returned in
+// model order (gradients become ready roughly in reverse order).
+std::vector<std::vector<NamedParam>> units_by_bucket(std::vector<NamedParam> params, int64_t bucket_numel);
+// One unit per LayerStack layer.
+std::vector<std::vector<NamedParam>> units_by_layer(std::vector<NamedParam> params, int num_layers);
+
+}  // namespace torchspeed::zero::detail

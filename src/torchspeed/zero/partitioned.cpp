@@ -1,0 +1,289 @@
+// PartitionedGradients (stage 2) and PartitionedParameters (stage 3) with its
+// ParameterGatherer (Note [ZeRO strategies]).
+//
+// Stage 3 releases a unit's storage by resizing it to 0 bytes, which keeps autograd's saved
+// references valid (DESIGN.md), and gathers it again before the layer's forward and backward.
+// Whether a layer is gathered decides which all-gathers the next forward issues, which must be
+// the same on every rank: units are released at deterministic points (after the layer's forward,
+// when its last gradient arrived, at the end of backward), never when a reduction completes.
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/native/Resize.h>
+#include <c10/core/GradMode.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+
+#include "torchspeed/zero/detail/strategies.h"
+#include "torchspeed/zero/detail/units.h"
+
+namespace torchspeed::zero::detail {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+void resize_storage(const at::Tensor& t, int64_t bytes) {
+  c10::NoGradGuard guard;
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), static_cast<size_t>(bytes));
+}
+}  // namespace
+
+// --- stage 2 -----------------------------------------------------------------------------------
+
+PartitionedGradients::PartitionedGradients(std::vector<NamedParam> params, comm::CommunicatorPtr dp,
+                                           ZeroOptions options, OptimizerSpec optimizer)
+    : PartitionedGradients(Stage::k2, std::move(dp), std::move(options), std::move(optimizer)) {
+  build(units_by_bucket(std::move(params), options_.reduce_bucket_numel()));
+}
+
+PartitionedGradients::PartitionedGradients(Stage stage, comm::CommunicatorPtr dp, ZeroOptions options,
+                                           OptimizerSpec optimizer)
+    : ZeroOptimizer(stage, std::move(dp), std::move(options), std::move(optimizer), /*sharded=*/true),
+      reduce_scatter_(options_.reduce_scatter()) {}
+
+void PartitionedGradients::allocate(Unit&) {
+  if (!grad_part_.defined()) grad_part_ = at::zeros({part_numel_}, at::TensorOptions().dtype(accum_dtype_));
+}
+
+void PartitionedGradients::on_gradient(size_t ui, size_t pi) {
+  Unit& u = *units_[ui];
+  auto& p = u.params[pi];
+  at::Tensor& g = p.param.mutable_grad();
+  if (g.defined()) {
+    if (!u.grad.defined()) {
+      u.grad = at::zeros({u.padded}, at::TensorOptions().dtype(storage_dtype()));
+      transient_.add(u.grad.nbytes());
+    }
+    u.grad.narrow(0, p.offset, p.numel).view(p.shape).copy_(g);
+    g.reset();  // the full gradient lives only in the unit's buffer until it is reduced
+  }
+  poll_finished();
+}
+
+void PartitionedGradients::launch(size_t ui) {
+  Unit& u = *units_[ui];
+  if (u.launched) return;
+  u.launched = true;
+  if (!u.grad.defined()) {  // no parameter of the unit got a gradient
+    u.grad = at::zeros({u.padded}, at::TensorOptions().dtype(storage_dtype()));
+    transient_.add(u.grad.nbytes());
+  }
+  comm::ReduceOp op = comm::ReduceOp::kAvg;
+  at::Tensor buf = comm_buffer(u, op);
+  if (reduce_scatter_) {
+    u.recv = at::empty({u.shard}, at::TensorOptions().dtype(buf.scalar_type()));
+    transient_.add(u.recv.nbytes());
+    u.work = dp_->reduce_scatter_async(buf, u.recv, op);
+  } else {
+    u.recv = buf.narrow(0, dp_rank_ * u.shard, u.shard);  // in place: this rank's shard of the sum
+    u.work = dp_->all_reduce_async(buf, op);
+  }
+  in_flight_.push_back(ui);
+}
+
+void PartitionedGradients::finalize(size_t ui) {
+  Unit& u = *units_[ui];
+  u.work->wait();
+  u.work.reset();
+  after_reduce(u.recv);
+  at::Tensor part = grad_part_.narrow(0, u.part_offset, u.part_size);
+  if (u.part_fresh) part.copy_(u.recv); else part.add_(u.recv.to(part.scalar_type()));
+  u.part_fresh = false;
+  transient_.add(-u.grad.nbytes() - (reduce_scatter_ ? u.recv.nbytes() : 0) -
+                 (u.comm_buf.defined() ? u.comm_buf.nbytes() : 0));
+  u.grad = at::Tensor();
+  u.recv = at::Tensor();
+  u.comm_buf = at::Tensor();
+}
+
+at::Tensor PartitionedGradients::owned_grad(Unit& u) { return grad_part_.narrow(0, u.part_offset, u.part_size); }
+
+at::Tensor PartitionedGradients::update_grad(Unit& u) { return grad_part_.narrow(0, u.part_offset, u.part_size); }
+
+void PartitionedGradients::reset_grads() {
+  for (auto& u : units_) u->part_fresh = true;  // next reductions overwrite: no memset needed
+}
+
+int64_t PartitionedGradients::gradient_bytes() const { return grad_part_.nbytes(); }
+
+// --- stage 3: the gatherer ---------------------------------------------------------------------
+
+class ParameterGatherer final : public LayerHooks, public std::enable_shared_from_this<ParameterGatherer> {
+ public:
+  ParameterGatherer(std::vector<std::unique_ptr<Unit>>& units, std::vector<std::vector<size_t>> layer_units,
+                    comm::CommunicatorPtr dp, const ZeroOptions& options, TransientBytes& transient, Timings& timings)
+      : units_(units), layer_units_(std::move(layer_units)), dp_(std::move(dp)),
+        prefetch_numel_(options.prefetch_bucket_numel()), max_live_(options.max_live_parameters()),
+        transient_(transient), timings_(timings) {}
+
+  ~ParameterGatherer() override {
+    // Prefetches in flight write into our units' storage: wait for them.
+    for (auto& u : units_) {
+      try {
+        if (u->gather_work) u->gather_work->wait();
+      } catch (...) {
+      }
+    }
+  }
+
+  void before_forward(int layer) override {
+    for (size_t ui : layer_units_.at(static_cast<size_t>(layer))) ensure_gathered(*units_[ui]);
+    prefetch_after(layer, +1);
+  }
+
+  at::Tensor after_forward(int layer, const at::Tensor& output, bool grad_enabled) override;
+
+  void gather_for_backward(int layer) {
+    for (size_t ui : layer_units_.at(static_cast<size_t>(layer))) ensure_gathered(*units_[ui]);
+    prefetch_after(layer, -1);
+  }
+
+  void release(Unit& u) {
+    if (u.persistent) return;
+    if (u.gather_work) ensure_gathered(u);
+    if (u.gathered && u.full.storage().nbytes() > 0) {
+      transient_.add(-u.full.nbytes());
+      resize_storage(u.full, 0);
+    }
+    u.gathered = false;
+  }
+
+ private:
+  void gather(Unit& u) {
+    if (u.gathered || u.gather_work) return;
+    resize_storage(u.full, u.padded * static_cast<int64_t>(u.full.element_size()));
+    transient_.add(u.full.nbytes());
+    u.gather_work = dp_->all_gather_async(u.shard_param, u.full);
+  }
+
+  void ensure_gathered(Unit& u) {
+    if (u.gathered) return;
+    if (!u.gather_work) gather(u);
+    auto t = Clock::now();
+    u.gather_work->wait();
+    timings_.allgather_s += seconds_since(t);
+    u.gather_work.reset();
+    u.gathered = true;
+  }
+
+  void prefetch_after(int layer, int direction) {
+    int64_t budget = prefetch_numel_;
+    int64_t live = 0;
+    for (auto& u : units_)
+      if (u->gathered || u->gather_work) live += u->padded;
+    for (int l = layer + direction; l >= 0 && l < static_cast<int>(layer_units_.size()); l += direction) {
+      for (size_t ui : layer_units_[static_cast<size_t>(l)]) {
+        Unit& u = *units_[ui];
+        if (u.gathered || u.gather_work) continue;
+        if (u.padded > budget || live + u.padded > max_live_) return;
+        gather(u);
+        budget -= u.padded;
+        live += u.padded;
+      }
+      if (budget <= 0) return;
+    }
+  }
+
+  std::vector<std::unique_ptr<Unit>>& units_;
+  std::vector<std::vector<size_t>> layer_units_;  // units each layer needs
+  comm::CommunicatorPtr dp_;
+  int64_t prefetch_numel_, max_live_;
+  TransientBytes& transient_;
+  Timings& timings_;
+};
+
+namespace {
+// The gatherer a layer's backward needs, owned by the autograd graph as a capsule: a weak
+// reference, so a graph that outlives its optimizer fails with a message instead of touching
+// freed memory.
+struct GathererRef : torch::CustomClassHolder {
+  explicit GathererRef(std::weak_ptr<ParameterGatherer> g) : gatherer(std::move(g)) {}
+  std::weak_ptr<ParameterGatherer> gatherer;
+};
+
+// Identity in forward; in backward, gathers the layer's parameters before the layer's own
+// backward runs.
+struct GatherBeforeBackward : public torch::autograd::Function<GatherBeforeBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, c10::IValue ref, int64_t layer) {
+    ctx->saved_data["gatherer"] = std::move(ref);
+    ctx->saved_data["layer"] = layer;
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto ref = c10::static_intrusive_pointer_cast<GathererRef>(ctx->saved_data["gatherer"].toCapsule());
+    auto g = ref->gatherer.lock();
+    TS_CHECK(g, "backward through a ZeRO stage 3 layer whose optimizer (engine) no longer exists");
+    g->gather_for_backward(static_cast<int>(ctx->saved_data["layer"].toInt()));
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+at::Tensor ParameterGatherer::after_forward(int layer, const at::Tensor& output, bool grad_enabled) {
+  at::Tensor out = output;
+  if (grad_enabled && output.requires_grad()) {
+    auto ref = c10::IValue::make_capsule(c10::make_intrusive<GathererRef>(weak_from_this()));
+    out = GatherBeforeBackward::apply(output, std::move(ref), static_cast<int64_t>(layer));
+  }
+  for (size_t ui : layer_units_.at(static_cast<size_t>(layer))) release(*units_[ui]);
+  return out;
+}
+
+// --- stage 3: the strategy ---------------------------------------------------------------------
+
+PartitionedParameters::PartitionedParameters(std::vector<NamedParam> params, int num_layers,
+                                             comm::CommunicatorPtr dp, ZeroOptions options, OptimizerSpec optimizer)
+    : PartitionedGradients(Stage::k3, std::move(dp), std::move(options), std::move(optimizer)) {
+  auto units = units_by_layer(std::move(params), num_layers);
+  // A layer needs every unit holding a parameter it uses (tied weights: a later layer too).
+  std::vector<std::vector<size_t>> layer_units(static_cast<size_t>(num_layers));
+  for (size_t ui = 0; ui < units.size(); ++ui) {
+    for (const auto& p : units[ui]) {
+      std::vector<int> users = p.also_used_by;
+      users.push_back(p.layer);
+      for (int l : users) {
+        auto& lu = layer_units.at(static_cast<size_t>(l));
+        if (std::find(lu.begin(), lu.end(), ui) == lu.end()) lu.push_back(ui);
+      }
+    }
+  }
+  gatherer_ = std::make_shared<ParameterGatherer>(units_, std::move(layer_units), dp_, options_, transient_, timings_);
+  build(std::move(units));
+}
+
+PartitionedParameters::~PartitionedParameters() = default;
+
+LayerHooks* PartitionedParameters::layer_hooks() { return gatherer_.get(); }
+
+bool PartitionedParameters::keeps_whole(const Unit& u) const {
+  return u.numel < options_.param_persistence_threshold();
+}
+
+void PartitionedParameters::allocate(Unit& u) {
+  PartitionedGradients::allocate(u);
+  if (u.persistent) return;
+  u.shard_param = u.full.narrow(0, dp_rank_ * u.shard, u.shard).clone();
+  transient_.add(u.full.nbytes());
+  gatherer_->release(u);
+}
+
+void PartitionedParameters::on_unit_complete(size_t ui) {
+  // The layer's backward has produced every gradient of this unit: its parameters are done.
+  Unit& u = *units_[ui];
+  if (!u.persistent && u.gathered) gatherer_->release(u);
+}
+
+void PartitionedParameters::release_idle() {
+  for (auto& u : units_)
+    if (!u->persistent && (u->gathered || u->gather_work)) gatherer_->release(*u);
+}
+
+void PartitionedParameters::before_import() {
+  for (auto& u : units_)
+    if (!u->persistent && u->gathered) gatherer_->release(*u);
+}
+
+}  // namespace torchspeed::zero::detail
