@@ -8,10 +8,13 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <tuple>
+#include <vector>
 
 #include "test_util.h"
 #include "torchspeed/checkpoint/crc32c.h"
 #include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/zero/partition_layout.h"
 
 namespace ck = torchspeed::checkpoint;
@@ -84,6 +87,108 @@ TEST(Checkpoint, DamagedFilesAreRefusedWithTheirName) {
     ts_test::expect_error([&] { ck::load_safetensors(path); }, "exceeds the file size");
   }
   fs::remove_all(dir);
+}
+
+// Headers found by fuzzing (fuzz/fuzz_safetensors.cpp) that escaped as json or c10 exceptions or
+// overflowed int64 (undefined behaviour) before the entries were checked one by one: every one
+// is now a torchspeed::Error naming the file and the entry.
+TEST(Checkpoint, MalformedSafetensorsHeadersAreRefusedWithTheEntry) {
+  const std::string dir = temp_dir(), path = dir + "/h.safetensors";
+  auto write = [&](const std::string& header, size_t data_bytes) {
+    std::string b(8, '\0');
+    for (int i = 0; i < 8; ++i)
+      b[static_cast<size_t>(i)] = static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+    std::ofstream(path, std::ios::binary | std::ios::trunc)
+        << b << header << std::string(data_bytes, '\0');
+  };
+  const std::vector<std::tuple<std::string, size_t, std::string>> cases = {
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", 4,
+       "data_offsets must be a list [begin, end]"},
+      {R"({"x":{"dtype":"F32","shape":[-1,-1],"data_offsets":[0,4]}})", 4,
+       "each size of shape must be an integer"},
+      {R"({"x":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", 0,
+       "holds 2^63 bytes or more"},
+      {R"({"x":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})", 0,
+       "holds 2^63 bytes or more"},
+      {R"({"x":{"dtype":5,"shape":[1],"data_offsets":[0,4]}})", 4, "dtype must be a string"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[1e300,4]}})", 4,
+       "data_offsets[0] must be an integer"},
+      {R"({"x":{"dtype":"U8","shape":[1e300],"data_offsets":[0,1]}})", 1,
+       "each size of shape must be an integer"},
+      {R"({"x":{"dtype":"U8","shape":3,"data_offsets":[0,3]}})", 3, "shape must be a list"},
+      {R"({"x":{"dtype":"U8","shape":[3],"data_offsets":[0,2]}})", 3, "do not span the 3 bytes"},
+  };
+  for (const auto& [header, data_bytes, needle] : cases) {
+    SCOPED_TRACE(header);
+    write(header, data_bytes);
+    ts_test::expect_error([&] { ck::load_safetensors(path); }, path + ": header entry 'x'");
+    ts_test::expect_error([&] { ck::load_safetensors(path); }, needle);
+  }
+  fs::remove_all(dir);
+}
+
+// Manifests found by fuzzing (fuzz/fuzz_manifest.cpp): a number beyond double's range and
+// fields of the wrong type escaped as json exceptions, without the file's name.
+TEST(Checkpoint, MalformedManifestsAreRefusedWithTheFile) {
+  const std::string dir = temp_dir(), manifest = dir + "/manifest.json";
+  const std::string rest = R"("files":{},"ranks":[],"params":[],"zero":{},"engine":{},"grid":{})";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"format":"torchspeed-checkpoint","global_step":1e999,)" + rest + "}",
+       "corrupt manifest"},
+      {R"({"format":5,)" + rest + "}", "not a torchspeed checkpoint manifest"},
+      {R"({"format":"torchspeed-checkpoint","format_version":"1",)" + rest + "}",
+       "format_version must be an integer"},
+      {R"({"format":"torchspeed-checkpoint","format_version":2,)" + rest + "}",
+       "format version 2 is newer"},
+  };
+  for (const auto& [text, needle] : cases) {
+    SCOPED_TRACE(text);
+    std::ofstream(manifest, std::ios::trunc) << text;
+    ts_test::expect_error([&] { ck::open_local(dir); }, manifest + ": " + needle);
+  }
+  std::ofstream(manifest, std::ios::trunc)
+      << R"({"format":"torchspeed-checkpoint","format_version":1,)" + rest + "}";
+  EXPECT_EQ(ck::open_local(dir).manifest.at("format_version"), 1);
+  fs::remove_all(dir);
+}
+
+// Partition layouts found by fuzzing: values whose products or sums overflowed int64 in the
+// consistency checks (undefined behaviour that could let a layout through and send reads past a
+// partition), floats beyond int's range, and negative sizes are refused.
+TEST(Checkpoint, MalformedPartitionLayoutsAreRefused) {
+  using nlohmann::json;
+  auto unit = [](int64_t padded, int64_t shard, int64_t part_offset, int64_t part_size,
+                 json params = json::array()) {
+    return json{{"padded", padded},
+                {"shard", shard},
+                {"part_offset", part_offset},
+                {"part_size", part_size},
+                {"params", std::move(params)}};
+  };
+  auto layout = [](json dp, json u) {
+    return json{
+        {"stage", 1}, {"dp", std::move(dp)}, {"part_numel", 4}, {"units", json::array({u})}};
+  };
+  const json ok_unit = unit(8, 4, 0, 4, {{"w", 0, 8}});
+  EXPECT_EQ(torchspeed::zero::PartitionLayout::from_json(layout(2, ok_unit), "m").units.size(), 1u);
+  const int64_t kMax = INT64_MAX;
+  // shard * dp, part_offset + part_size and offset + numel overflowed; get<int>() of 1e300 was
+  // undefined and of 2^32 + 2 gave 2; negative sizes passed.
+  const std::vector<std::pair<json, std::string>> cases = {
+      {layout(2, unit(0, int64_t{1} << 62, 0, int64_t{1} << 62)), "inconsistent unit"},
+      {layout(1, unit(4, 4, kMax, 4)), "inconsistent unit"},
+      {layout(1, unit(4, 4, 0, 4, {{"w", kMax, 4}})), "parameter 'w' lies outside its unit"},
+      {layout(1e300, ok_unit), "dp must be an integer in [1, 2147483647]"},
+      {layout(int64_t{4294967298}, ok_unit), "dp must be an integer in [1, 2147483647]"},
+      {layout(0, ok_unit), "dp must be an integer in [1, 2147483647]"},
+      {layout(2, unit(-8, -4, 0, -4)), "padded must be an integer in [0, "},
+  };
+  for (const auto& [j, needle] : cases) {
+    SCOPED_TRACE(j.dump());
+    auto read = [&, &j = j] { torchspeed::zero::PartitionLayout::from_json(j, "m.json"); };
+    ts_test::expect_error(read, "m.json: ");
+    ts_test::expect_error(read, needle);
+  }
 }
 
 // For random units and data-parallel sizes, the pieces of all ranks cover every element of every

@@ -147,6 +147,55 @@ auto replace_atomically(const std::string& path, Fn&& write) {
   }
 }
 
+// One tensor's header entry, checked before anything is allocated: a dtype we read, a shape of
+// sizes >= 0 whose byte count fits in int64 (multiplied in order, as Python's safetensors
+// does), and data_offsets [begin, end] with end - begin equal to that byte count.
+struct HeaderEntry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t begin = 0, end = 0;
+};
+
+int64_t header_int(const nlohmann::json& v, const std::string& file, const std::string& name,
+                   const char* what) {
+  TS_CHECK(
+      v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t{INT64_MAX}
+                                                       : v.get<int64_t>() >= 0),
+      file, ": header entry '", name, "': ", what, " must be an integer in [0, 2^63), found ",
+      v.dump());
+  return v.get<int64_t>();
+}
+
+HeaderEntry header_entry(const std::string& name, const nlohmann::json& v,
+                         const std::string& file) {
+  TS_CHECK(
+      v.is_object() && v.contains("data_offsets") && v.contains("dtype") && v.contains("shape"),
+      file, ": header entry '", name, "' needs dtype, shape and data_offsets");
+  const auto& dtype = v["dtype"];
+  const auto& shape = v["shape"];
+  const auto& offsets = v["data_offsets"];
+  TS_CHECK(dtype.is_string(), file, ": header entry '", name, "': dtype must be a string, found ",
+           dtype.dump());
+  TS_CHECK(shape.is_array(), file, ": header entry '", name, "': shape must be a list, found ",
+           shape.dump());
+  TS_CHECK(offsets.is_array() && offsets.size() == 2, file, ": header entry '", name,
+           "': data_offsets must be a list [begin, end], found ", offsets.dump());
+  HeaderEntry e{name, dtype_from(dtype.get<std::string>(), file), {}, 0, 0};
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(e.dtype));
+  for (const auto& d : shape) {
+    e.shape.push_back(header_int(d, file, name, "each size of shape"));
+    TS_CHECK(!__builtin_mul_overflow(bytes, e.shape.back(), &bytes), file, ": header entry '", name,
+             "': shape ", shape.dump(), " holds 2^63 bytes or more");
+  }
+  e.begin = header_int(offsets[0], file, name, "data_offsets[0]");
+  e.end = header_int(offsets[1], file, name, "data_offsets[1]");
+  TS_CHECK(e.begin <= e.end && e.end - e.begin == bytes, file, ": header entry '", name,
+           "': data_offsets ", offsets.dump(), " do not span the ", bytes,
+           " bytes its shape and dtype need");
+  return e;
+}
+
 }  // namespace
 
 void fsync_dir(const std::string& dir) {
@@ -233,36 +282,27 @@ SafetensorsFile load_safetensors(const std::string& path, const FileDigest* expe
   TS_CHECK(header.is_object(), path, ": the header at offset 8 is not a JSON object");
   SafetensorsFile out;
   const int64_t base = 8 + static_cast<int64_t>(n);
-  std::vector<std::pair<int64_t, std::string>> order;
+  std::vector<HeaderEntry> entries;
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
       for (const auto& [k, val] : v.items()) out.metadata[k] = val.is_string() ? val.get<std::string>() : val.dump();
       continue;
     }
-    TS_CHECK(v.is_object() && v.contains("data_offsets") && v.contains("dtype") && v.contains("shape"), path,
-             ": header entry '", name, "' needs dtype, shape and data_offsets");
-    order.emplace_back(v.at("data_offsets").at(0).get<int64_t>(), name);
+    entries.push_back(header_entry(name, v, path));
   }
-  std::sort(order.begin(), order.end());
+  // By offset; empty tensors at the same offset stay in name order (the header's).
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const HeaderEntry& a, const HeaderEntry& b) { return a.begin < b.begin; });
   int64_t pos = 0;  // data bytes consumed
-  for (const auto& [begin, name] : order) {
-    const auto& v = header[name];
-    const at::ScalarType dt = dtype_from(v.at("dtype").get<std::string>(), path);
-    std::vector<int64_t> shape = v.at("shape").get<std::vector<int64_t>>();
-    const int64_t end = v.at("data_offsets").at(1).get<int64_t>();
-    int64_t numel = 1;
-    for (int64_t s : shape) numel *= s;
-    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
-    TS_CHECK(begin >= 0 && end - begin == bytes, path, ": tensor '", name, "' has ", end - begin,
-             " bytes for shape and dtype needing ", bytes);
-    TS_CHECK(begin == pos, path, ": tensor '", name, "' starts at data offset ", begin, " but the previous one ends at ",
-             pos, " (overlapping or with a hole)");
-    TS_CHECK(base + end <= size, path, ": tensor '", name, "' ends at offset ", base + end,
-             " past the end of the file (", size, " bytes): truncated");
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dt));
-    f.read(t.data_ptr(), static_cast<size_t>(bytes), crc);
-    pos = end;
-    out.tensors.emplace_back(name, t);
+  for (const HeaderEntry& e : entries) {
+    TS_CHECK(e.begin == pos, path, ": tensor '", e.name, "' starts at data offset ", e.begin,
+             " but the previous one ends at ", pos, " (overlapping or with a hole)");
+    TS_CHECK(e.end <= size - base, path, ": tensor '", e.name, "' ends at offset ", base, " + ",
+             e.end, " past the end of the file (", size, " bytes): truncated");
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    f.read(t.data_ptr(), static_cast<size_t>(e.end - e.begin), crc);
+    pos = e.end;
+    out.tensors.emplace_back(e.name, t);
   }
   TS_CHECK(base + pos == size, path, ": ", size - base - pos, " bytes after the last tensor (offset ", base + pos,
            "): not a safetensors file or a damaged one");

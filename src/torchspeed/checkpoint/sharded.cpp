@@ -368,9 +368,24 @@ Opened open_local(const std::string& path) {
     m = nlohmann::json::parse(read_text(mpath));
   } catch (const nlohmann::json::parse_error& e) {
     TS_CHECK(false, mpath, ": corrupt manifest at byte ", e.byte, ": ", e.what());
+  } catch (const nlohmann::json::exception& e) {
+    // A number beyond double's range (out_of_range.406) is not a parse_error.
+    TS_CHECK(false, mpath, ": corrupt manifest: ", e.what());
   }
-  TS_CHECK(m.is_object() && m.value("format", "") == kManifestFormat, mpath, ": not a torchspeed checkpoint manifest");
-  TS_CHECK(m.value("format_version", 0) <= kManifestVersion, mpath, ": format version ", m.value("format_version", 0),
+  // Types are checked before value() reads them: value() throws json's type_error on a mismatch.
+  const auto format = m.is_object() ? m.find("format") : m.end();
+  TS_CHECK(
+      format != m.end() && format->is_string() && format->get<std::string>() == kManifestFormat,
+      mpath, ": not a torchspeed checkpoint manifest");
+  int64_t version = 0;
+  if (const auto it = m.find("format_version"); it != m.end()) {
+    TS_CHECK(it->is_number_integer(), mpath, ": format_version must be an integer, found ",
+             it->dump());
+    version = it->is_number_unsigned() && it->get<uint64_t>() > uint64_t{INT64_MAX}
+                  ? INT64_MAX
+                  : it->get<int64_t>();
+  }
+  TS_CHECK(version <= kManifestVersion, mpath, ": format version ", version,
            " is newer than this torchspeed reads (", kManifestVersion, ")");
   for (const char* key : {"files", "ranks", "params", "zero", "engine", "grid"})
     TS_CHECK(m.contains(key), mpath, ": the manifest has no \"", key, "\"");

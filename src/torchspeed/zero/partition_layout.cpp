@@ -2,6 +2,7 @@
 #include "torchspeed/zero/partition_layout.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "torchspeed/runtime/error.h"
 
@@ -18,33 +19,53 @@ nlohmann::json PartitionLayout::to_json() const {
   return {{"stage", stage}, {"dp", dp}, {"part_numel", part_numel}, {"units", us}};
 }
 
+namespace {
+// An integer of the layout in [lo, hi]; json's own get<int>() would truncate silently, and
+// from a float out of range its conversion is undefined.
+int64_t layout_int(const nlohmann::json& v, const std::string& where, const char* what, int64_t lo,
+                   int64_t hi) {
+  const bool integer =
+      v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX});
+  const int64_t x = integer ? v.get<int64_t>() : 0;
+  TS_CHECK(integer && x >= lo && x <= hi, where, ": malformed ZeRO partition layout: ", what,
+           " must be an integer in [", lo, ", ", hi, "], found ", v.dump());
+  return x;
+}
+}  // namespace
+
 PartitionLayout PartitionLayout::from_json(const nlohmann::json& j, const std::string& where) {
+  constexpr int64_t kMax = INT64_MAX;
   PartitionLayout l;
   try {
-    l.stage = j.at("stage").get<int>();
-    l.dp = j.at("dp").get<int>();
-    l.part_numel = j.at("part_numel").get<int64_t>();
+    l.stage = static_cast<int>(layout_int(j.at("stage"), where, "stage", 0, 3));
+    l.dp = static_cast<int>(layout_int(j.at("dp"), where, "dp", 1, INT32_MAX));
+    l.part_numel = layout_int(j.at("part_numel"), where, "part_numel", 0, kMax);
     for (const auto& uj : j.at("units")) {
       UnitLayout u;
-      u.padded = uj.at("padded").get<int64_t>();
-      u.shard = uj.at("shard").get<int64_t>();
-      u.part_offset = uj.at("part_offset").get<int64_t>();
-      u.part_size = uj.at("part_size").get<int64_t>();
+      u.padded = layout_int(uj.at("padded"), where, "padded", 0, kMax);
+      u.shard = layout_int(uj.at("shard"), where, "shard", 0, kMax);
+      u.part_offset = layout_int(uj.at("part_offset"), where, "part_offset", 0, kMax);
+      u.part_size = layout_int(uj.at("part_size"), where, "part_size", 0, kMax);
       for (const auto& pj : uj.at("params"))
-        u.params.push_back({pj.at(0).get<std::string>(), pj.at(1).get<int64_t>(), pj.at(2).get<int64_t>()});
+        u.params.push_back({pj.at(0).get<std::string>(),
+                            layout_int(pj.at(1), where, "a parameter's offset", 0, kMax),
+                            layout_int(pj.at(2), where, "a parameter's numel", 0, kMax)});
       l.units.push_back(std::move(u));
     }
   } catch (const nlohmann::json::exception& e) {
     TS_CHECK(false, where, ": malformed ZeRO partition layout: ", e.what());
   }
-  TS_CHECK(l.dp >= 1 && l.stage >= 0 && l.stage <= 3, where, ": layout has dp ", l.dp, " and stage ", l.stage);
+  // Every value is >= 0, so the checks below are written not to overflow: shard * dp == padded
+  // as a division, a + b <= c as a <= c - b.
   for (const auto& u : l.units) {
-    TS_CHECK(u.shard * l.dp == u.padded && u.part_size == (l.stage == 0 ? u.padded : u.shard) &&
-                 u.part_offset >= 0 && u.part_offset + u.part_size <= l.part_numel,
-             where, ": inconsistent unit in the partition layout (padded ", u.padded, ", shard ", u.shard, ")");
+    TS_CHECK(u.padded % l.dp == 0 && u.shard == u.padded / l.dp &&
+                 u.part_size == (l.stage == 0 ? u.padded : u.shard) &&
+                 u.part_size <= l.part_numel && u.part_offset <= l.part_numel - u.part_size,
+             where, ": inconsistent unit in the partition layout (padded ", u.padded, ", shard ",
+             u.shard, ")");
     for (const auto& p : u.params)
-      TS_CHECK(p.offset >= 0 && p.numel >= 0 && p.offset + p.numel <= u.padded, where, ": parameter '", p.name,
-               "' lies outside its unit in the partition layout");
+      TS_CHECK(p.numel <= u.padded && p.offset <= u.padded - p.numel, where, ": parameter '",
+               p.name, "' lies outside its unit in the partition layout");
   }
   return l;
 }
