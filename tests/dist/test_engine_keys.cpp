@@ -147,6 +147,7 @@ TEST(EngineKeys, Save16BitModelGathersAtStage3OnlyWhenAsked) {
   for (int stage : {2, 3}) {
     for (bool gather : {false, true}) {
       SCOPED_TRACE(testing::Message() << "stage " << stage << " gather " << gather);
+      world()->barrier();  // every rank has read the previous round's file
       if (world()->rank() == 0) std::filesystem::remove_all(dir);
       world()->barrier();
       auto cfg = base(stage);
@@ -169,6 +170,7 @@ TEST(EngineKeys, Save16BitModelGathersAtStage3OnlyWhenAsked) {
       }
     }
   }
+  world()->barrier();
 }
 
 // The monitors write on world rank 0 only, one point per optimizer step at step = samples.

@@ -78,10 +78,6 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
            " differs from the data-parallel group's ", g.dp->size());
   TS_CHECK(c.pp == 1 || c.zero.stage <= 1, "pipeline.stages ", c.pp, " with zero_optimization.stage ", c.zero.stage,
            ": pipeline parallelism combines with ZeRO stages 0 and 1 (as in DeepSpeed)");
-  TS_CHECK(c.pipeline.activation_checkpoint_interval == 0 || c.zero.stage < 3,
-           "pipeline.activation_checkpoint_interval with ZeRO stage 3 is not available; use stage 0-2");
-  TS_CHECK(c.tp == 1 || c.zero.stage <= 2, "tensor_parallel.tp_size ", c.tp, " with zero_optimization.stage ",
-           c.zero.stage, ": tensor parallelism combines with ZeRO stages 0-2");
   TS_CHECK(!c.zero.offload_optimizer.enabled() && !c.zero.offload_param.enabled(),
            "zero_optimization.offload_optimizer/offload_param: offload is not available yet; "
            "remove the offload settings (or the deprecated cpu_offload key)");

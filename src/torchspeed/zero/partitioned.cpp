@@ -47,7 +47,7 @@ void PartitionedGradients::allocate(Unit&) {
   if (!grad_part_.defined()) grad_part_ = at::zeros({part_numel_}, at::TensorOptions().dtype(accum_dtype_));
 }
 
-void PartitionedGradients::on_gradient(size_t ui, size_t pi) {
+void PartitionedGradients::on_gradient(size_t ui, size_t pi, bool first) {
   Unit& u = *units_[ui];
   auto& p = u.params[pi];
   at::Tensor& g = p.param.mutable_grad();
@@ -56,7 +56,8 @@ void PartitionedGradients::on_gradient(size_t ui, size_t pi) {
       u.grad = at::zeros({u.padded}, at::TensorOptions().dtype(storage_dtype()));
       transient_.add(u.grad.nbytes());
     }
-    u.grad.narrow(0, p.offset, p.numel).view(p.shape).copy_(g);
+    at::Tensor slice = u.grad.narrow(0, p.offset, p.numel).view(p.shape);
+    if (first) slice.copy_(g); else slice.add_(g);
     g.reset();  // the full gradient lives only in the unit's buffer until it is reduced
   }
   poll_finished();

@@ -30,7 +30,7 @@ void ReplicatedGradients::allocate(Unit& u) {
   for (auto& p : u.params) p.param.mutable_grad() = u.grad.narrow(0, p.offset, p.numel).view(p.shape);
 }
 
-void ReplicatedGradients::on_gradient(size_t ui, size_t pi) {
+void ReplicatedGradients::on_gradient(size_t ui, size_t pi, bool) {
   if (in_place_) return;
   Unit& u = *units_[ui];
   auto& p = u.params[pi];

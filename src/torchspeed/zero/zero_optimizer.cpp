@@ -26,6 +26,15 @@
 // The base class runs what they share and asks the strategy at the points where they differ,
 // so no code tests a stage number after construction.
 //
+// Note [Gradients in several calls]
+// Autograd calls a parameter's AccumulateGrad once per backward pass that reaches it. One
+// engine pass sums every use first, but activation checkpointing replays each segment in a
+// backward of its own, so a parameter used in several segments (a tied embedding and LM head)
+// gets one call per segment. Every call's gradient is added (on_gradient with first=false),
+// and a unit holding such a shared parameter is reduced only once backward returned, when
+// all calls are in. A further call for a unit already being reduced is an error, never a lost
+// gradient.
+//
 // Buckets launch in a fixed order (descending unit index) whatever order gradients arrive in,
 // so every rank issues the same collectives in the same order (Note [Collective execution
 // order] in comm/).
@@ -149,6 +158,8 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
       up.offset = u->numel;
       up.count_in_norm = p.count_in_norm;
       up.group = p.group;
+      up.shared = !p.also_used_by.empty();
+      u->deferred = u->deferred || up.shared;
       u->numel += up.numel;
       u->params.push_back(std::move(up));
     }
@@ -259,10 +270,15 @@ void ZeroOptimizer::begin_backward(bool boundary) {
 void ZeroOptimizer::on_grad_ready(size_t ui, size_t pi) {
   Unit& u = *units_[ui];
   auto& p = u.params[pi];
-  if (p.ready) return;  // a second call in one backward (e.g. reentrant autograd) counts once
+  if (p.ready) {  // a further call in one backward: see Note [Gradients in several calls]
+    TS_CHECK(!u.launched, "parameter '", p.name, "' got another gradient after its bucket was reduced: a "
+             "parameter used in several checkpointed segments must be registered as shared (NamedParam::also_used_by)");
+    on_gradient(ui, pi, /*first=*/false);
+    return;
+  }
   p.ready = true;
-  on_gradient(ui, pi);
-  if (++u.ready != static_cast<int>(u.params.size())) return;
+  on_gradient(ui, pi, /*first=*/true);
+  if (++u.ready != static_cast<int>(u.params.size()) || u.deferred) return;
   on_unit_complete(ui);
   if (reduce_now_ && options_.overlap_comm()) launch_ready();
 }
@@ -270,7 +286,7 @@ void ZeroOptimizer::on_grad_ready(size_t ui, size_t pi) {
 void ZeroOptimizer::launch_ready() {
   while (next_launch_ >= 0) {
     Unit& u = *units_[static_cast<size_t>(next_launch_)];
-    if (u.ready != static_cast<int>(u.params.size())) return;
+    if (u.ready != static_cast<int>(u.params.size()) || u.deferred) return;
     launch(static_cast<size_t>(next_launch_--));
     ++timings_.buckets_launched_in_backward;
   }

@@ -199,8 +199,9 @@ class ZeroOptimizer {
   // Allocates a unit's strategy state: gradient buffers, stage 3 shards (called once per unit
   // by build(), after every unit's partition range is known).
   virtual void allocate(detail::Unit& u) = 0;
-  // A parameter's gradient for this micro-step is in its .grad.
-  virtual void on_gradient(size_t unit, size_t param) = 0;
+  // A parameter's gradient for this micro-step is in its .grad: all of it, or (first=false)
+  // a further contribution to add (Note [Gradients in several calls]).
+  virtual void on_gradient(size_t unit, size_t param, bool first) = 0;
   // Every parameter of the unit has its gradient.
   virtual void on_unit_complete(size_t unit) {}
   virtual void launch(size_t unit) = 0;

@@ -19,7 +19,7 @@ class ReplicatedGradients final : public ZeroOptimizer {
  protected:
   bool reduces_every_micro_step() const override { return false; }
   void allocate(Unit& u) override;
-  void on_gradient(size_t unit, size_t param) override;
+  void on_gradient(size_t unit, size_t param, bool first) override;
   void launch(size_t unit) override;
   void finalize(size_t unit) override;
   at::Tensor owned_grad(Unit& u) override;
@@ -42,7 +42,7 @@ class PartitionedGradients : public ZeroOptimizer {
   PartitionedGradients(Stage stage, comm::CommunicatorPtr dp, ZeroOptions options, OptimizerSpec optimizer);
   bool reduces_every_micro_step() const override { return true; }
   void allocate(Unit& u) override;
-  void on_gradient(size_t unit, size_t param) override;
+  void on_gradient(size_t unit, size_t param, bool first) override;
   void launch(size_t unit) override;
   void finalize(size_t unit) override;
   at::Tensor owned_grad(Unit& u) override;

@@ -21,6 +21,7 @@ struct UnitParam {
   bool ready = false;
   bool count_in_norm = true;
   int group = 0;
+  bool shared = false;  // used by several layers (tied): may get one gradient per checkpointed segment
 };
 
 // A run of the update range whose parameters share a parameter group.
@@ -48,6 +49,9 @@ struct Unit {
   comm::WorkPtr work;
   int ready = 0;
   bool launched = false;
+  // Holds a shared parameter: reduced only once backward returned (Note [Gradients in
+  // several calls] in zero_optimizer.cpp).
+  bool deferred = false;
   bool part_fresh = true;  // partitioned: the next reduction overwrites the partition (no add)
 };
 
