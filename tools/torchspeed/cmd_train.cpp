@@ -56,6 +56,8 @@ void watch_stop_signals() {
 struct TrainSection {
   int64_t steps = 100, eval_interval = 50, eval_batches = 4, log_interval = 10;
   int64_t checkpoint_interval = 0;  // 0: only at the end
+  // Biases and norm weights never take weight decay (GPT-2/Megatron); embeddings neither when set.
+  bool no_decay_embeddings = false;
 };
 
 struct DataSection {
@@ -72,6 +74,7 @@ TrainSection read_train(const nlohmann::json& j) {
   t.eval_batches = r.get_int("eval_batches", t.eval_batches, 1);
   t.log_interval = r.get_int("log_interval", t.log_interval, 1);
   t.checkpoint_interval = r.get_int("checkpoint_interval", t.checkpoint_interval, 0);
+  t.no_decay_embeddings = r.get_bool("no_decay_embeddings", t.no_decay_embeddings);
   r.finish();
   if (!d.errors.empty()) throw config::ConfigError(d.errors);
   return t;
@@ -183,7 +186,8 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     // From the spec: with pipeline.stages > 1 each rank builds only its stage's layers.
     // With tensor_parallel.tp_size > 1 the layers split over the grid's tensor-parallel group.
     auto groups = make_groups(rt, cfg);
-    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp), cfg);
+    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp), cfg,
+                             {no_weight_decay_group(ts.no_decay_embeddings)});
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
     data::TextLoader loader(corpus.train, gpt.seq_len, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));

@@ -195,8 +195,8 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
       r.get_bool("stage3_gather_fp16_weights_on_model_save", false);
   c.round_robin_gradients = r.get_bool("round_robin_gradients", false);
   c.ignore_unused_parameters = r.get_bool("ignore_unused_parameters", true);
-  // What torchspeed always does (or has no counterpart of), said once per key: see
-  // docs/config.md for each.
+  // What torchspeed always does (or has no counterpart of), said once per key (docs/config.md
+  // lists every key's treatment).
   // Layout and collective choices with the same result either way: false warns.
   if (!c.contiguous_gradients) {
     r.warn("contiguous_gradients", "torchspeed always copies gradients into contiguous buffers (its flat units); "
