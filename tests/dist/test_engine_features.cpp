@@ -16,15 +16,8 @@ using torchspeed::config::Config;
 using ts_test::world;
 
 namespace {
-torchspeed::parallel::ParallelGroups groups() {
-  auto w = world();
-  return torchspeed::parallel::make_parallel_groups(w, torchspeed::parallel::ProcessGrid(w->size()));
-}
-Config parse(nlohmann::json j) {
-  torchspeed::config::WorldShape shape;
-  shape.world_size = world()->size();
-  return Config::parse(j, shape);
-}
+torchspeed::parallel::ParallelGroups groups() { return ts_test::dp_groups(); }
+Config parse(const nlohmann::json& j) { return ts_test::parse_config(j); }
 torchspeed::nn::LayerStack one_linear(std::vector<float> w) {
   torchspeed::nn::LayerStack s;
   auto lin = torch::nn::Linear(torch::nn::LinearOptions(static_cast<int64_t>(w.size()), 1).bias(false));

@@ -15,16 +15,8 @@ namespace {
 
 constexpr int64_t kBatch = 16, kIn = 12, kHidden = 32, kOut = 4;
 
-torchspeed::parallel::ParallelGroups groups() {
-  auto w = world();
-  return torchspeed::parallel::make_parallel_groups(w, torchspeed::parallel::ProcessGrid(w->size()));
-}
-
-Config parse(nlohmann::json j) {
-  torchspeed::config::WorldShape shape;
-  shape.world_size = world()->size();
-  return Config::parse(j, shape);
-}
+torchspeed::parallel::ParallelGroups groups() { return ts_test::dp_groups(); }
+Config parse(const nlohmann::json& j) { return ts_test::parse_config(j); }
 
 torchspeed::nn::LayerStack make_model() {
   torch::manual_seed(4321);
