@@ -203,3 +203,52 @@ TEST(Collectives, BadInputIsAClearError) {
   w.all_reduce(t);
   EXPECT_EQ(t[0].item<float>(), static_cast<float>(w.size()));
 }
+
+TEST(Collectives, AsyncOpsOwnTheirTensors) {
+  // Temporaries passed to async ops: once the call returns, only the op refers to them. Sizes
+  // of several chunks keep the ops in flight while the allocator below reuses freed memory.
+  auto& w = *world();
+  const int p = w.size();
+  const int64_t n = 1500007, m = 700001;
+  at::Tensor x = rank_data(w.rank(), n, at::kFloat);
+  auto ar = w.all_reduce_async(x.to(at::kHalf));
+  auto rs = w.reduce_scatter_async(rank_data(w.rank(), m * p, at::kBFloat16),
+                                   at::empty({m}, at::kBFloat16));
+  auto ag = w.all_gather_async(rank_data(w.rank(), m, at::kFloat), at::empty({m * p}));
+  // Dropped without wait(): the op still completes, in order, before the blocking one behind it.
+  w.all_reduce_async(rank_data(w.rank(), n, at::kLong) * 1);
+  for (int i = 0; i < 8; ++i) {
+    at::Tensor junk = at::full({n}, 7.0, at::kHalf);
+    junk.add_(1.0);
+  }
+  at::Tensor behind = rank_data(w.rank(), 777, at::kLong);
+  w.all_reduce(behind);
+  expect_equal(behind, reference(ReduceOp::kSum, p, 777, at::kLong, true), true, "blocking behind");
+  ar->wait();
+  rs->wait();
+  ag->wait();
+  for (auto* work : {&ar, &rs, &ag}) {
+    EXPECT_TRUE((*work)->is_completed());
+    EXPECT_EQ((*work)->exception(), nullptr);
+    ASSERT_EQ((*work)->result().size(), 1u);
+  }
+  expect_equal(ar->result()[0], reference(ReduceOp::kSum, p, n, at::kHalf, false), true,
+               "all_reduce of a temporary");
+  expect_equal(rs->result()[0],
+               reference(ReduceOp::kSum, p, m * p, at::kBFloat16, false).narrow(0, w.rank() * m, m),
+               true, "reduce_scatter into a temporary");
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < p; ++r) parts.push_back(rank_data(r, m, at::kFloat));
+  expect_equal(ag->result()[0], at::cat(parts), true, "all_gather into a temporary");
+
+  // Point to point: a temporary sent (its Work dropped), a temporary received.
+  if (w.rank() == 0) {
+    w.send_async(x.to(at::kHalf), 1, 5);
+  } else if (w.rank() == 1) {
+    auto recv = w.recv_async(at::empty({n}, at::kHalf), 0, 5);
+    recv->wait();
+    ASSERT_EQ(recv->result().size(), 1u);
+    expect_equal(recv->result()[0], rank_data(0, n, at::kFloat).to(at::kHalf), true, "recv");
+  }
+  w.barrier();
+}

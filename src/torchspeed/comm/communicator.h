@@ -1,6 +1,7 @@
 // Communicator: collectives and point-to-point transfers on CPU tensors among a group of ranks.
-// Every op has an async form returning a Work whose wait() honours a deadline, so a dead or
-// desynchronised peer ends in a CommError naming the op, group, rank and bytes, never a hang.
+// Every op has an async form returning a Work. An op runs under a deadline counted from its
+// start, so a dead or desynchronised peer ends in a CommError naming the op, group, rank and
+// bytes, never a hang; the failure breaks the communicator (later ops throw at once).
 // Backends (MPI now) implement the do_* hooks; validation of arguments lives here, once.
 #pragma once
 
@@ -9,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
@@ -27,7 +29,9 @@ int64_t default_chunk_bytes();
 int64_t default_one_phase_bytes();
 
 struct CommOptions {
-  // How long wait() waits for an op (from its submission) before throwing CommError.
+  // How long an op may run, counted from the moment it starts (ops of a communicator run one
+  // at a time, in submission order), before it fails with a CommError and breaks the
+  // communicator.
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
   // Collectives are split into pipelined chunks of about this size.
   TORCH_ARG(int64_t, chunk_bytes) = default_chunk_bytes();
@@ -38,13 +42,25 @@ struct CommOptions {
   TORCH_ARG(int64_t, one_phase_bytes) = default_one_phase_bytes();
 };
 
+// An op in flight. It owns references to the tensors the op reads and writes (so a temporary
+// passed to an async op stays alive until the op completed) and reports how the op ended.
 class Work {
  public:
+  explicit Work(std::vector<at::Tensor> result = {}) : result_(std::move(result)) {}
   virtual ~Work() = default;
-  // Blocks until the op completed; throws CommError on failure or when the deadline passed.
+  // Blocks until the op completed; throws its CommError when it failed (its deadline passed, a
+  // peer failed, or the communicator had failed before the op could start).
   virtual void wait() = 0;
   // Non-blocking check; also throws when the op failed.
   virtual bool is_completed() = 0;
+  // The op's failure, or null while it runs and after it succeeded. Never throws.
+  virtual std::exception_ptr exception() const = 0;
+  // The tensors the op writes, valid once it completed: all_reduce, broadcast, recv: the
+  // tensor; reduce_scatter, all_gather: the output; send, barrier: none.
+  const std::vector<at::Tensor>& result() const { return result_; }
+
+ private:
+  std::vector<at::Tensor> result_;
 };
 using WorkPtr = std::shared_ptr<Work>;
 
