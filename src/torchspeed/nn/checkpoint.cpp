@@ -1,4 +1,5 @@
-// checkpoint(): a custom autograd function that saves the input and the RNG state.
+// checkpoint(): a custom autograd function that saves the input, the RNG state and (owned) the
+// segment to replay.
 #include "torchspeed/nn/checkpoint.h"
 
 #include <c10/core/GradMode.h>
@@ -23,20 +24,33 @@ void set_rng_state(const at::Tensor& s) {
   gen.set_state(s);
 }
 
+// Note [Owned state in autograd nodes]
+// State an autograd function needs in backward (the segment to replay here, the communicator
+// in tensor_parallel/layers.cpp) is owned by the graph node: a CustomClassHolder in a capsule
+// IValue in ctx->saved_data, public API in LibTorch 1.13 and 2.x alike. Passing an object's
+// address as an int64 left its lifetime to the caller: a graph that outlived the object would
+// have read freed memory in backward.
+struct SegmentHolder : torch::CustomClassHolder {
+  explicit SegmentHolder(Segment s) : segment(std::move(s)) {}
+  Segment segment;
+};
+
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   // `anchor` requires grad so that the result does too, even when x (token ids) does not: the
   // segment's parameters still need their gradients.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, at::Tensor anchor,
-                            int64_t segment) {
-    ctx->saved_data["segment"] = segment;
+                            c10::intrusive_ptr<SegmentHolder> holder) {
+    const Segment& segment = holder->segment;
+    ctx->saved_data["segment"] = c10::IValue::make_capsule(std::move(holder));
     ctx->saved_data["rng"] = rng_state();
     ctx->save_for_backward({x});
-    return (*reinterpret_cast<const Segment*>(segment))(x);  // autograd is off in here
+    return segment(x);  // autograd is off in here
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto& segment = *reinterpret_cast<const Segment*>(ctx->saved_data["segment"].toInt());
+    const auto capsule = ctx->saved_data["segment"].toCapsule();
+    const Segment& segment = static_cast<const SegmentHolder&>(*capsule).segment;
     at::Tensor x = ctx->get_saved_variables()[0];
     at::Tensor input = x.detach();
     if (input.is_floating_point()) input.requires_grad_(true);
@@ -58,7 +72,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 at::Tensor checkpoint(const Segment& segment, const at::Tensor& x) {
   if (!at::GradMode::is_enabled()) return segment(x);
   static const at::Tensor anchor = at::zeros({}, at::kFloat).requires_grad_(true);
-  return CheckpointFunction::apply(x, anchor, reinterpret_cast<int64_t>(&segment));
+  return CheckpointFunction::apply(x, anchor, c10::make_intrusive<SegmentHolder>(segment));
 }
 
 }  // namespace torchspeed::nn

@@ -12,8 +12,8 @@ namespace torchspeed::nn {
 
 using Segment = std::function<at::Tensor(const at::Tensor&)>;
 
-// `segment` must stay alive until the backward of the result has run. Without grad mode, this
-// is segment(x).
+// The result's autograd node keeps a copy of `segment` (whatever it captures by reference must
+// outlive the backward of the result). Without grad mode, this is segment(x).
 at::Tensor checkpoint(const Segment& segment, const at::Tensor& x);
 
 }  // namespace torchspeed::nn

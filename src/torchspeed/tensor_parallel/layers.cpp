@@ -15,11 +15,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The communicator travels through autograd as its address; the layer (or caller) owns it.
-comm::Communicator& comm_of(AutogradContext* ctx) {
-  return *reinterpret_cast<comm::Communicator*>(ctx->saved_data["tp"].toInt());
+// The communicator is owned by the autograd node that needs it in backward. See Note [Owned
+// state in autograd nodes] in nn/checkpoint.cpp.
+struct CommHolder : torch::CustomClassHolder {
+  explicit CommHolder(comm::CommunicatorPtr c) : comm(std::move(c)) {}
+  comm::CommunicatorPtr comm;
+};
+void save_comm(AutogradContext* ctx, const comm::CommunicatorPtr& tp) {
+  ctx->saved_data["tp"] = c10::IValue::make_capsule(c10::make_intrusive<CommHolder>(tp));
 }
-int64_t addr(const comm::CommunicatorPtr& c) { return reinterpret_cast<int64_t>(c.get()); }
+comm::CommunicatorPtr comm_of(AutogradContext* ctx) {
+  return static_cast<const CommHolder&>(*ctx->saved_data["tp"].toCapsule()).comm;
+}
 
 at::Tensor all_reduced(const at::Tensor& x, comm::Communicator& c) {
   at::Tensor y = x.contiguous().clone();
@@ -28,24 +35,29 @@ at::Tensor all_reduced(const at::Tensor& x, comm::Communicator& c) {
 }
 
 struct CopyToRegion : public torch::autograd::Function<CopyToRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
-    ctx->saved_data["tp"] = tp;
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const comm::CommunicatorPtr& tp) {
+    save_comm(ctx, tp);
     return x.view_as(x);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list g) { return {all_reduced(g[0], comm_of(ctx)), at::Tensor()}; }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {all_reduced(g[0], *comm_of(ctx)), at::Tensor()};
+  }
 };
 
 struct ReduceFromRegion : public torch::autograd::Function<ReduceFromRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
-    return all_reduced(x, *reinterpret_cast<comm::Communicator*>(tp));
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x,
+                            const comm::CommunicatorPtr& tp) {
+    return all_reduced(x, *tp);
   }
   static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
 };
 
 struct GatherFromRegion : public torch::autograd::Function<GatherFromRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t tp) {
-    ctx->saved_data["tp"] = tp;
-    auto& c = *reinterpret_cast<comm::Communicator*>(tp);
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const comm::CommunicatorPtr& tp) {
+    save_comm(ctx, tp);
+    auto& c = *tp;
     const int n = c.size();
     at::Tensor all = at::empty({n * x.numel()}, x.options());
     c.all_gather(x.contiguous().view({-1}), all);
@@ -55,15 +67,17 @@ struct GatherFromRegion : public torch::autograd::Function<GatherFromRegion> {
     return at::cat(all.view(shape).unbind(0), -1);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    auto& c = comm_of(ctx);
+    const auto tp = comm_of(ctx);
+    auto& c = *tp;
     return {g[0].chunk(c.size(), -1)[static_cast<size_t>(c.rank())].contiguous(), at::Tensor()};
   }
 };
 
 struct VocabParallelCE : public torch::autograd::Function<VocabParallelCE> {
   // logits [N, V/tp], targets [N] int64.
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t tp) {
-    auto& c = *reinterpret_cast<comm::Communicator*>(tp);
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets, const comm::CommunicatorPtr& tp) {
+    auto& c = *tp;
     const int64_t part = logits.size(1), begin = c.rank() * part;
     at::Tensor lf = logits.to(at::kFloat);
     at::Tensor m = std::get<0>(lf.max(1)).contiguous();
@@ -77,7 +91,6 @@ struct VocabParallelCE : public torch::autograd::Function<VocabParallelCE> {
     at::Tensor target_logit = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0).contiguous();
     c.all_reduce(target_logit);
     at::Tensor loss = (sum.log() - target_logit).mean();
-    ctx->saved_data["tp"] = tp;
     ctx->save_for_backward({e / sum.unsqueeze(1), local, outside});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     return loss;
@@ -112,13 +125,13 @@ void check_divisible(int64_t n, int size, const char* what) {
 }  // namespace
 
 at::Tensor copy_to_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
-  return tp->size() == 1 ? x : CopyToRegion::apply(x, addr(tp));
+  return tp->size() == 1 ? x : CopyToRegion::apply(x, tp);
 }
 at::Tensor reduce_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
-  return tp->size() == 1 ? x : ReduceFromRegion::apply(x, addr(tp));
+  return tp->size() == 1 ? x : ReduceFromRegion::apply(x, tp);
 }
 at::Tensor gather_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
-  return tp->size() == 1 ? x : GatherFromRegion::apply(x, addr(tp));
+  return tp->size() == 1 ? x : GatherFromRegion::apply(x, tp);
 }
 
 void mark_split(const at::Tensor& param, Split split) {
@@ -202,7 +215,7 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& tokens) {
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                         const comm::CommunicatorPtr& tp) {
-  return VocabParallelCE::apply(logits, targets, addr(tp));
+  return VocabParallelCE::apply(logits, targets, tp);
 }
 
 }  // namespace torchspeed::tensor_parallel
