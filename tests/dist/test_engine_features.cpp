@@ -269,3 +269,26 @@ TEST(EngineFeatures, ActivationCheckpointingLowersPeakMemoryWithIdenticalGradien
   }
   EXPECT_LT(peak_ckpt, peak_plain * 7 / 10);
 }
+
+TEST(EngineFeatures, AGraphThatOutlivesAStageThreeEngineIsAnErrorInBackward) {
+  // ZeRO-3's layers reach their gatherer through the graph by a weak reference: a backward after
+  // the engine is gone names the problem instead of touching freed partitions.
+  Config cfg = parse({{"train_micro_batch_size_per_gpu", 2},
+                      {"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}},
+                      {"zero_optimization", {{"stage", 3}, {"stage3_param_persistence_threshold", 0}}}});
+  torchspeed::nn::LayerStack stack;
+  for (const char* name : {"a", "b", "c"}) stack->add(name, torch::nn::Linear(4, 4));
+  stack->set_loss([](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); });
+  auto engine = torchspeed::initialize(groups(), stack, cfg);
+  at::Tensor loss = engine->forward(at::ones({2, 4}), at::zeros({2, 4}));
+  engine->backward(loss);  // with the engine alive: fine
+  engine->step();
+  at::Tensor dangling = engine->forward(at::ones({2, 4}), at::zeros({2, 4}));
+  engine.reset();
+  try {
+    dangling.backward();
+    FAIL() << "backward after the engine was destroyed did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("no longer exists"), std::string::npos) << e.what();
+  }
+}

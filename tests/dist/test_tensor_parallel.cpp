@@ -89,3 +89,27 @@ TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyEqualTheDenseOnes) {
   loss.backward();
   expect_close(emb->weight.grad(), tpl::slice(dw.grad(), {0, 1}, r, n), "tied weight gradient");
 }
+
+TEST(TensorParallel, TheGraphOwnsItsCommunicator) {
+  // The region functions' backward all-reduces over a communicator the graph keeps: the caller
+  // may drop its own (here the only other reference) between forward and backward.
+  auto world_comm = world();
+  const int n = world_comm->size();
+  if (n == 1) GTEST_SKIP() << "one rank has no region functions";
+  at::Tensor x = randn({4, 6}, 7).requires_grad_();
+  at::Tensor y;
+  std::weak_ptr<torchspeed::comm::Communicator> alive;
+  {
+    auto tp = world_comm->split(0, world_comm->rank(), "owned-by-graph");
+    alive = tp;
+    // Each rank's own part of a gathered output: the backward of copy_to_region sums them.
+    at::Tensor gathered = tpl::gather_from_region(tpl::copy_to_region(x, tp) * (tp->rank() + 1), tp);
+    y = gathered.narrow(-1, tp->rank() * 6, 6);
+  }
+  ASSERT_FALSE(alive.expired()) << "the graph keeps the communicator alive";
+  y.sum().backward();
+  // d/dx of sum_r (r + 1) x over the ranks' parts: n (n + 1) / 2 everywhere.
+  EXPECT_TRUE(x.grad().equal(at::full({4, 6}, n * (n + 1) / 2.0)));
+  y = at::Tensor();
+  EXPECT_TRUE(alive.expired()) << "freeing the graph releases the communicator";
+}

@@ -1,74 +1,22 @@
-// Engine wiring: config -> component options, and DeepSpeed's step semantics.
+// Engine wiring: components built from the config, DeepSpeed's verbs and step semantics.
 #include "torchspeed/engine/engine.h"
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
-#include <algorithm>
 #include <chrono>
-#include <map>
-#include <mutex>
-#include <unordered_map>
 
-#include "torchspeed/pipeline/partition.h"
-#include "torchspeed/tensor_parallel/layers.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
+#include "torchspeed/tensor_parallel/layers.h"
+#include "torchspeed/zero/from_config.h"
 
 namespace torchspeed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-precision::Precision precision_of(const config::Config& c) {
-  if (c.bf16.enabled) return precision::Precision::kBF16;
-  if (c.fp16.enabled) return precision::Precision::kFP16;
-  return precision::Precision::kFP32;
-}
-
-at::ScalarType comm_dtype_of(const config::Config& c) {
-  if (c.communication_data_type == "fp32") return at::kFloat;
-  if (c.communication_data_type == "bf16") return at::kBFloat16;
-  if (c.communication_data_type == "fp16") return at::kHalf;
-  return at::ScalarType::Undefined;
-}
-
-zero::OptimizerSpec optimizer_of(const config::Config& c, const std::vector<ParamGroup>& groups) {
-  TS_CHECK(!c.optimizer.type.empty(),
-           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW or SGD)");
-  zero::OptimizerSpec s;
-  s.type = c.optimizer.type;
-  s.adam.lr = c.optimizer.lr;
-  s.adam.beta1 = c.optimizer.betas.at(0);
-  s.adam.beta2 = c.optimizer.betas.at(1);
-  s.adam.eps = c.optimizer.eps;
-  s.adam.weight_decay = c.optimizer.weight_decay;
-  s.adam.bias_correction = c.optimizer.bias_correction;
-  s.adam.adam_w_mode = c.optimizer.type == "AdamW" || c.optimizer.adam_w_mode;
-  s.sgd.lr = c.optimizer.lr;
-  s.sgd.momentum = c.optimizer.momentum;
-  s.sgd.dampening = c.optimizer.dampening;
-  s.sgd.weight_decay = c.optimizer.weight_decay;
-  s.sgd.nesterov = c.optimizer.nesterov;
-  for (const auto& g : groups) s.groups.push_back(g.options);
-  return s;
-}
-
-precision::LossScaler scaler_of(const config::Config& c) {
-  if (!c.fp16.enabled) return precision::LossScaler::none();
-  precision::LossScalerOptions o;
-  o.dynamic(c.fp16.dynamic())
-      .static_scale(c.fp16.dynamic() ? 1.0 : c.fp16.loss_scale)
-      .initial_scale_power(c.fp16.initial_scale_power)
-      .scale_window(c.fp16.loss_scale_window)
-      .hysteresis(c.fp16.hysteresis)
-      .consecutive_hysteresis(c.fp16.consecutive_hysteresis)
-      .min_scale(c.fp16.min_loss_scale);
-  return precision::LossScaler(o);
-}
 
 void check_supported(const config::Config& c, const parallel::ParallelGroups& g) {
   c.check_batch_sizes();
@@ -83,57 +31,7 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
            "remove the offload settings (or the deprecated cpu_offload key)");
 }
 
-std::vector<zero::NamedParam> collect_params(const std::shared_ptr<torch::nn::Module>& root,
-                                             nn::LayerStack stack, const StagePlan& plan, int tp_rank,
-                                             const std::vector<ParamGroup>& groups) {
-  std::vector<zero::NamedParam> out;
-  std::unordered_map<const void*, size_t> seen;  // tied parameters appear once, where first used
-  auto add = [&](const std::string& name, const at::Tensor& p, int layer) {
-    if (!p.requires_grad()) return;
-    auto [it, fresh] = seen.emplace(p.unsafeGetTensorImpl(), out.size());
-    if (!fresh) {
-      auto& first = out[it->second];
-      if (layer >= 0 && layer != first.layer) first.also_used_by.push_back(layer);
-      return;
-    }
-    bool counted = true;
-    for (const auto& t : plan.ties)
-      if (t.param == name && !t.owner) counted = false;
-    // A parameter every tensor-parallel rank holds whole counts once in the norm.
-    if (tp_rank > 0 && !tensor_parallel::split_of(p)) counted = false;
-    int group = 0;  // the first group that claims it, else the optimizer's own
-    for (size_t g = 0; g < groups.size() && group == 0; ++g)
-      if (groups[g].match && groups[g].match(name, p)) group = static_cast<int>(g) + 1;
-    out.push_back({name, p, layer, {}, counted, group});
-  };
-  if (stack) {
-    for (size_t i = 0; i < stack->size(); ++i) {
-      for (const auto& item : stack->layer_module(i)->named_parameters(/*recurse=*/true)) {
-        add(stack->layer_name(i) + "." + item.key(), item.value(), static_cast<int>(i));
-      }
-    }
-  } else {
-    for (const auto& item : root->named_parameters(/*recurse=*/true)) add(item.key(), item.value(), -1);
-  }
-  TS_CHECK(!out.empty(), "the model has no trainable parameters");
-  return out;
-}
-
 }  // namespace
-
-ParamGroup no_weight_decay_group(bool embeddings) {
-  ParamGroup g;
-  g.options.weight_decay = 0.0;
-  g.match = [embeddings](const std::string& name, const at::Tensor& p) {
-    if (p.dim() <= 1) return true;  // biases, LayerNorm weights
-    if (!embeddings) return false;
-    auto ends_with = [&](const std::string& suffix) {
-      return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-    };
-    return ends_with("tok.weight") || ends_with("pos.weight") || name.find("embed") != std::string::npos;
-  };
-  return g;
-}
 
 Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Module> root,
                nn::LayerStack stack, torch::nn::AnyModule any, config::Config config, StagePlan plan,
@@ -144,8 +42,8 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
       stack_(std::move(stack)),
       any_(std::move(any)),
       config_(std::move(config)),
-      precision_(precision_of(config_)),
-      scaler_(scaler_of(config_)),
+      precision_(zero::precision_of(config_)),
+      scaler_(zero::loss_scaler_of(config_)),
       schedule_(config_.scheduler, config_.optimizer.lr,
                 config_.optimizer.betas.empty() ? 0.9 : config_.optimizer.betas[0]) {
   check_supported(config_, groups_);
@@ -155,61 +53,29 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   TS_CHECK(config_.pipeline.activation_checkpoint_interval == 0 || stack_,
            "pipeline.activation_checkpoint_interval needs a LayerStack model");
   make_checkpoint_comm();
-  pipe_schedule_ = pipeline::schedule_kind(config_.pipeline.schedule);
-  // Tensor-parallel ranks hold the same replicated activations: their dropout masks must agree,
-  // so they share tp rank 0's RNG state (reseed them alike afterwards, e.g. by data-parallel rank).
-  if (groups_.tp && groups_.tp->size() > 1) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    at::Tensor state;
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      state = gen.get_state().contiguous();
-    }
-    groups_.tp->broadcast(state, 0);
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
+  if (groups_.tp && groups_.tp->size() > 1) tensor_parallel::share_rng_state(*groups_.tp);
   // Tied weights start from their first stage's value (before the optimizer copies them).
-  if (stack_) {
-    const auto named = stack_->named_parameters(/*recurse=*/true);
-    for (const auto& t : plan_.ties) {
-      const at::Tensor* p = named.find(t.param);
-      TS_CHECK(p, "tied parameter '", t.param, "' is not in this stage's layers");
-      c10::NoGradGuard g;
-      at::Tensor v = p->detach().contiguous();
-      t.comm->broadcast(v, 0);
-      if (!v.is_same(*p)) p->detach().copy_(v);
-      tied_params_.push_back(*p);
-    }
-  }
-  zero::ZeroOptions zo;
-  zo.stage(zero::stage_of(config_.zero.stage))
-      .grad_accum_dtype(config_.grad_accum_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
-      .reduce_bucket_numel(config_.zero.reduce_bucket_size)
-      .overlap_comm(config_.zero.overlap_comm)
-      .reduce_scatter(config_.zero.reduce_scatter)
-      .sub_group_numel(config_.zero.sub_group_size)
-      .prefetch_bucket_numel(config_.zero.prefetch_bucket_size)
-      .param_persistence_threshold(config_.zero.param_persistence_threshold)
-      .max_live_parameters(config_.zero.max_live_parameters)
-      .precision(precision_)
-      .communication_dtype(comm_dtype_of(config_))
-      .gradient_predivide_factor(config_.gradient_predivide_factor)
-      .prescale_gradients(config_.prescale_gradients)
-      .norm_group(plan_.stages > 1 || config_.tp > 1 ? groups_.mp : nullptr);
+  if (stack_) tied_ = pipeline::TiedWeights(plan_, stack_);
+  zero::ZeroOptions zo = zero::zero_options_of(config_);
+  zo.norm_group(plan_.stages > 1 || config_.tp > 1 ? groups_.mp : nullptr);  // the norm spans the model's ranks
   // Pipeline stages reduce after the tied weights' gradients are summed (ReduceTiedGrads), so
   // buckets cannot start during the boundary backward.
   if (plan_.stages > 1) zo.overlap_comm(false);
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
-  zero_ = zero::make_zero_optimizer(collect_params(root_, stack_, plan_, groups_.tp->rank(), param_groups_), layers,
-                                    groups_.dp, zo, optimizer_of(config_, param_groups_));
+  // A tied weight's later copy, and a parameter every tensor-parallel rank holds whole, count
+  // once in the global norm.
+  const bool tp_first = groups_.tp->rank() == 0;
+  auto counted = [&](const std::string& name, const at::Tensor& p) {
+    return !plan_.is_copy(name) && (tp_first || tensor_parallel::split_of(p));
+  };
+  zero_ = zero::make_zero_optimizer(zero::collect_params(*root_, stack_, counted, param_groups_), layers, groups_.dp,
+                                    zo, zero::optimizer_spec_of(config_, param_groups_));
   layer_hooks_ = zero_->layer_hooks();
   // Activation checkpointing: segments of `interval` layers keep only their input.
   if (const int k = config_.pipeline.activation_checkpoint_interval; k > 0) {
-    for (size_t b = 0; b < stack_->size(); b += static_cast<size_t>(k)) {
-      const size_t e = std::min(stack_->size(), b + static_cast<size_t>(k));
-      segments_.push_back([this, b, e](const at::Tensor& x) { return run_layers(x, b, e, at::GradMode::is_enabled()); });
-    }
+    segments_ = nn::interval_segments(stack_->size(), k, [this](const at::Tensor& x, size_t b, size_t e) {
+      return run_layers(x, b, e, at::GradMode::is_enabled());
+    });
   }
   if (groups_.world->rank() == 0 && (config_.tensorboard.enabled || config_.csv_monitor.enabled)) {
     monitor::MonitorConfig mc;
@@ -217,6 +83,7 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
     mc.csv = {config_.csv_monitor.enabled, config_.csv_monitor.output_path, config_.csv_monitor.job_name};
     monitor_ = std::make_unique<monitor::Monitor>(mc);
   }
+  if (plan_.stages > 1) make_executor();
   root_->train();
   log::debug("engine: ", zero_->num_params(), " parameters, ZeRO stage ", config_.zero.stage, ", ",
              precision::precision_name(precision_), ", dp ", groups_.dp->size());
@@ -315,19 +182,13 @@ void Engine::optimizer_step() {
 }
 
 void Engine::write_monitor_events(std::optional<double> train_loss) {
-  // DeepSpeed's engine: at each optimizer step, on rank 0, the step counted in samples; lr is
-  // the schedule's after the step; loss_scale only for fp16. The loss is rank 0's mean over
-  // the window's micro-batches (pipeline: the mean over data-parallel ranks, as DeepSpeed's
+  // As DeepSpeed's engine: rank 0, at each optimizer step. The loss is rank 0's mean over the
+  // window's micro-batches (pipeline: the mean over data-parallel ranks, as DeepSpeed's
   // pipeline engine reports it).
-  const int64_t samples = global_steps_ * config_.train_batch_size;
-  std::vector<monitor::Event> events;
-  if (train_loss) events.push_back({"Train/Samples/train_loss", *train_loss, samples});
-  events.push_back({"Train/Samples/lr", schedule_.lr(), samples});
-  if (precision_ == precision::Precision::kFP16) events.push_back({"Train/Samples/loss_scale", scaler_.scale(), samples});
-  monitor_->write_events(events);
+  std::optional<double> scale;
+  if (precision_ == precision::Precision::kFP16) scale = scaler_.scale();
+  monitor_->write_step(global_steps_ * config_.train_batch_size, train_loss, schedule_.lr(), scale);
 }
-
-void Engine::zero_grad() { zero_->zero_grad(); }
 
 nlohmann::json Engine::export_state(std::vector<std::pair<std::string, at::Tensor>>& tensors) const {
   tensors = zero_->export_partition();
@@ -353,22 +214,81 @@ void Engine::import_state(const nlohmann::json& s, std::vector<std::pair<std::st
   schedule_.load_state(s.at("lr_schedule"));
 }
 
-void Engine::train() { root_->train(true); }
-void Engine::eval() { root_->train(false); }
-
 EngineTimings Engine::timings() const {
-  EngineTimings t;
-  t.forward_s = forward_s_;
-  t.backward_s = backward_s_;
-  t.reduce_wait_s = zero_->timings().reduce_wait_s;
-  t.optimizer_s = zero_->timings().optimizer_s;
-  t.allgather_s = zero_->timings().allgather_s;
-  t.buckets_launched_in_backward = zero_->timings().buckets_launched_in_backward;
-  t.buckets_launched_after = zero_->timings().buckets_launched_after;
-  t.optimizer_sub_groups = zero_->timings().optimizer_sub_groups;
-  t.pipeline_busy_s = pipe_busy_s_;
-  t.pipeline_schedule_s = pipe_schedule_s_;
+  const auto& z = zero_->timings();
+  EngineTimings t{forward_s_, backward_s_, z.reduce_wait_s, z.optimizer_s, z.allgather_s,
+                  z.buckets_launched_in_backward, z.buckets_launched_after, z.optimizer_sub_groups};
+  if (executor_) {
+    t.pipeline_busy_s = executor_->timings().busy_s;
+    t.pipeline_schedule_s = executor_->timings().schedule_s;
+  }
   return t;
+}
+
+void Engine::make_executor() {
+  pipeline::StageOps ops;
+  ops.forward = [this](const at::Tensor& x) { return run(x); };
+  ops.loss = [this](const at::Tensor& out, const at::Tensor& y) { return stack_->loss(out, y); };
+  ops.begin_backward = [this](bool boundary) { zero_->begin_backward(boundary); };
+  ops.finish_backward = [this] { zero_->finish_backward(); };
+  ops.reduce_tied_grads = [this] { tied_.reduce_grads(); };
+  ops.optimizer_step = [this] {
+    optimizer_step();
+    micro_steps_ += config_.gradient_accumulation_steps;
+  };
+  executor_ = std::make_unique<pipeline::Executor>(groups_.pp, groups_.prev_stage, groups_.next_stage, plan_.stage,
+                                                   plan_.stages, pipeline::schedule_kind(config_.pipeline.schedule),
+                                                   std::move(ops));
+}
+
+double Engine::mean_over_data_parallel(double v) const {
+  at::Tensor t = at::full({1}, v, at::kDouble);
+  groups_.dp->all_reduce(t, comm::ReduceOp::kAvg);
+  return t.item<double>();
+}
+
+double Engine::train_batch(const MicroBatchSource& next) {
+  TS_CHECK(root_->is_training(), "train_batch() in eval mode: call engine.train() first");
+  const int64_t gas = config_.gradient_accumulation_steps;
+  if (executor_) {
+    auto t = Clock::now();
+    const double loss = executor_->run(next, static_cast<int>(gas), /*train=*/true, scaler_.scale());
+    backward_s_ += since(t);
+    const double mean = mean_over_data_parallel(loss);
+    if (monitor_) write_monitor_events(mean);
+    return mean;
+  }
+  TS_CHECK(micro_steps_ % gas == 0, "train_batch() inside an accumulation window started with forward/backward/step");
+  double sum = 0;
+  for (int64_t m = 0; m < gas; ++m) {
+    auto [x, y] = next();
+    at::Tensor loss = forward(x, y);
+    backward(loss);
+    step();
+    sum += loss.item<double>();
+  }
+  return mean_over_data_parallel(sum / static_cast<double>(gas));
+}
+
+double Engine::eval_batch(const MicroBatchSource& next) {
+  const bool was_training = root_->is_training();
+  eval();
+  const int64_t gas = config_.gradient_accumulation_steps;
+  double loss = 0;
+  {
+    c10::NoGradGuard no_grad;
+    if (executor_) {
+      loss = executor_->run(next, static_cast<int>(gas), /*train=*/false, 1.0);
+    } else {
+      for (int64_t m = 0; m < gas; ++m) {
+        auto [x, y] = next();
+        loss += forward(x, y).item<double>();
+      }
+      loss /= static_cast<double>(gas);
+    }
+  }
+  if (was_training) train();
+  return mean_over_data_parallel(loss);
 }
 
 parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config) {
@@ -386,48 +306,15 @@ std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, nn::L
   return std::make_unique<Engine>(groups, root, model, torch::nn::AnyModule(), config, StagePlan{}, param_groups);
 }
 
-std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,
-                                   const config::Config& config, const std::vector<ParamGroup>& param_groups) {
-  return initialize(make_groups(runtime, config), std::move(model), config, param_groups);
-}
-
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const nn::StackSpec& spec,
                                    const config::Config& config, const std::vector<ParamGroup>& param_groups) {
   const int stages = groups.grid.pp();
   if (stages == 1) return initialize(groups, nn::build(spec), config, param_groups);
-  const auto bounds = pipeline::partition(spec, stages, config.pipeline.partition_method);
-  const int stage = groups.coord.pp;
-  StagePlan plan;
-  plan.stage = stage;
-  plan.stages = stages;
-  // Tied weights held by several stages: one communicator per tie key over those stages (of
-  // this rank's pipeline); every rank takes part in every split, in key order.
-  std::map<std::string, std::vector<std::pair<int, std::string>>> holders;  // key -> (stage, param)
-  for (int s = 0; s < stages; ++s)
-    for (size_t i = bounds[static_cast<size_t>(s)]; i < bounds[static_cast<size_t>(s) + 1]; ++i)
-      for (const auto& [param, key] : spec.layers[i].ties) holders[key].emplace_back(s, spec.layers[i].name + "." + param);
-  for (const auto& [key, list] : holders) {
-    std::vector<int> on;
-    for (const auto& h : list)
-      if (on.empty() || on.back() != h.first) on.push_back(h.first);
-    if (on.size() < 2) continue;
-    const bool member = std::find(on.begin(), on.end(), stage) != on.end();
-    const int color = member ? groups.pp->world_ranks().front() : groups.grid.world_size() + groups.rank;
-    auto c = groups.world->split(color, stage, "tied:" + key);
-    if (!member) continue;
-    for (const auto& [s, param] : list)
-      if (s == stage) plan.ties.push_back({param, c, s == on.front()});
-  }
-  nn::LayerStack local = nn::build(spec, bounds[static_cast<size_t>(stage)], bounds[static_cast<size_t>(stage) + 1]);
-  log::debug("pipeline stage ", stage, " of ", stages, ": layers ", bounds[static_cast<size_t>(stage)], "..",
-             bounds[static_cast<size_t>(stage) + 1] - 1);
+  auto layers = pipeline::plan_stage(groups, spec, config.pipeline.partition_method);
+  nn::LayerStack local = nn::build(spec, layers.begin, layers.end);
   std::shared_ptr<torch::nn::Module> root = local.ptr();
-  return std::make_unique<Engine>(groups, root, local, torch::nn::AnyModule(), config, std::move(plan), param_groups);
-}
-
-std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config,
-                                   const std::vector<ParamGroup>& param_groups) {
-  return initialize(make_groups(runtime, config), spec, config, param_groups);
+  return std::make_unique<Engine>(groups, root, local, torch::nn::AnyModule(), config, std::move(layers.plan),
+                                  param_groups);
 }
 
 std::unique_ptr<Engine> initialize_module(const parallel::ParallelGroups& groups,

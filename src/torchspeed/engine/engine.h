@@ -18,11 +18,13 @@
 #include "torchspeed/nn/checkpoint.h"
 #include "torchspeed/nn/layer_spec.h"
 #include "torchspeed/nn/layer_stack.h"
-#include "torchspeed/pipeline/schedule.h"
+#include "torchspeed/pipeline/executor.h"
+#include "torchspeed/pipeline/tied_weights.h"
 #include "torchspeed/optim/lr_schedule.h"
 #include "torchspeed/parallel/process_grid.h"
 #include "torchspeed/precision/loss_scaler.h"
 #include "torchspeed/runtime/runtime.h"
+#include "torchspeed/zero/named_params.h"
 #include "torchspeed/zero/zero_optimizer.h"
 
 namespace torchspeed {
@@ -36,29 +38,9 @@ struct EngineTimings {
   double pipeline_busy_s = 0, pipeline_schedule_s = 0;
 };
 
-// Where this rank's layers sit in a pipeline (built by initialize from a StackSpec).
-struct StagePlan {
-  int stage = 0, stages = 1;
-  struct Tie {
-    std::string param;            // the parameter's name in this stage ("head.weight")
-    comm::CommunicatorPtr comm;   // the stages holding the tied weight, ordered by stage
-    bool owner = false;           // the first of them: its value is the initial one
-  };
-  std::vector<Tie> ties;
-};
-
-// A parameter group with its own hyperparameters (torch::optim's param groups): the parameters
-// `match` claims by name (as in named_parameters() of the layers; the first group that claims
-// a parameter gets it, the rest stay in the optimizer's own group). An unset lr follows the
-// schedule; a set one is scaled by the schedule as the optimizer's lr is.
-struct ParamGroup {
-  std::function<bool(const std::string& name, const at::Tensor& param)> match;
-  zero::ParamGroupOptions options;
-};
-// GPT-2/Megatron's rule: biases and norm weights (every parameter with one dimension) take no
-// weight decay; embeddings neither when `embeddings` (names ending in the embedding modules'
-// "tok.weight"/"pos.weight", or any name containing "embed").
-ParamGroup no_weight_decay_group(bool embeddings);
+using StagePlan = pipeline::StagePlan;  // where this rank's layers sit in a pipeline
+using ParamGroup = zero::ParamGroup;    // a parameter group with its own lr and weight decay
+using zero::no_weight_decay_group;      // GPT-2/Megatron's no-decay group
 
 class Engine {
  public:
@@ -79,7 +61,7 @@ class Engine {
   // it runs the config's schedule (pipeline.schedule: 1f1b or gpipe): the first stage uses the
   // inputs, the last the targets, activations and gradients travel point to point. Returns the
   // batch's mean loss (over micro-batches and data-parallel ranks) on every rank.
-  using MicroBatchSource = std::function<std::pair<at::Tensor, at::Tensor>()>;
+  using MicroBatchSource = pipeline::MicroBatchSource;
   double train_batch(const MicroBatchSource& next);
   // The mean loss of gradient_accumulation_steps micro-batches, forward only.
   double eval_batch(const MicroBatchSource& next);
@@ -102,7 +84,7 @@ class Engine {
   int num_stages() const { return plan_.stages; }
   // Call once per micro-batch, after backward; updates at accumulation boundaries.
   void step();
-  void zero_grad();
+  void zero_grad() { zero_->zero_grad(); }
 
   bool is_gradient_accumulation_boundary() const;
   int64_t global_step() const { return global_steps_; }
@@ -114,8 +96,8 @@ class Engine {
   double grad_norm() const { return grad_norm_; }
 
   std::shared_ptr<torch::nn::Module> module() const { return root_; }
-  void train();
-  void eval();
+  void train() { root_->train(true); }
+  void eval() { root_->train(false); }
   bool is_training() const { return root_->is_training(); }
 
   const config::Config& config() const { return config_; }
@@ -160,14 +142,12 @@ class Engine {
   at::Tensor run(const at::Tensor& input);
   at::Tensor run_layers(const at::Tensor& x, size_t begin, size_t end, bool grad);
   void optimizer_step();
-  double pipeline_batch(const MicroBatchSource& next, bool train);
-  void send_activation(const at::Tensor& t, int mb, std::vector<std::pair<comm::WorkPtr, at::Tensor>>& sends);
-  at::Tensor recv_activation(int mb);
   double mean_over_data_parallel(double v) const;
   nlohmann::json export_counters() const;
   // DeepSpeed's monitor events of the step just taken (world rank 0, tensorboard/csv_monitor).
   void write_monitor_events(std::optional<double> train_loss);
   void make_checkpoint_comm();
+  void make_executor();
 
   parallel::ParallelGroups groups_;
   std::vector<ParamGroup> param_groups_;
@@ -184,40 +164,43 @@ class Engine {
   int64_t micro_steps_ = 0, global_steps_ = 0, skipped_steps_ = 0;
   double grad_norm_ = 0.0;
   double forward_s_ = 0, backward_s_ = 0;
-  double pipe_busy_s_ = 0, pipe_schedule_s_ = 0;
   StagePlan plan_;
-  std::vector<at::Tensor> tied_params_;  // plan_.ties' parameters (ZeRO re-points their data, same tensors)
-  std::vector<nn::Segment> segments_;    // activation checkpointing: a segment per interval
+  pipeline::TiedWeights tied_;                 // with pipeline stages
+  std::unique_ptr<pipeline::Executor> executor_;  // with pipeline stages
+  std::vector<nn::Segment> segments_;          // activation checkpointing: a segment per interval
   std::unique_ptr<monitor::Monitor> monitor_;  // world rank 0, when a monitor is enabled
   double window_loss_ = 0.0;                   // sum of this accumulation window's losses (monitor)
-  pipeline::ScheduleKind pipe_schedule_ = pipeline::ScheduleKind::k1F1B;
-  std::vector<int64_t> act_shape_sent_, act_shape_recv_;  // exchanged once (see engine_pipeline.cpp)
-  at::ScalarType act_dtype_recv_ = at::kFloat;
-  std::vector<at::Tensor> act_pool_, grad_pool_;  // free receive buffers (Note [Pipeline executor])
 };
+
+// Builds the process grid and its groups from the config over every rank of the job.
+parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config);
 
 // From a spec: with pipeline.stages > 1 each rank builds only its stage's layers (partitioned by
 // pipeline.partition_method), and tied weights are kept equal across stages.
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, const nn::StackSpec& spec,
                                    const config::Config& config,
                                    const std::vector<ParamGroup>& param_groups = {});
-std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec, const config::Config& config,
-                                   const std::vector<ParamGroup>& param_groups = {});
+inline std::unique_ptr<Engine> initialize(const Runtime& runtime, const nn::StackSpec& spec,
+                                          const config::Config& config,
+                                          const std::vector<ParamGroup>& param_groups = {}) {
+  return initialize(make_groups(runtime, config), spec, config, param_groups);
+}
 
-// Builds the process grid and its groups from the config over every rank of the job.
-std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,
-                                   const config::Config& config,
-                                   const std::vector<ParamGroup>& param_groups = {});
-// Over groups the caller built (several engines can share communicators).
+// A LayerStack (every ZeRO stage), over groups the caller built (several engines can share
+// communicators) or over every rank of the job.
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, nn::LayerStack model,
                                    const config::Config& config,
                                    const std::vector<ParamGroup>& param_groups = {});
+inline std::unique_ptr<Engine> initialize(const Runtime& runtime, nn::LayerStack model,
+                                          const config::Config& config,
+                                          const std::vector<ParamGroup>& param_groups = {}) {
+  return initialize(make_groups(runtime, config), std::move(model), config, param_groups);
+}
 
 std::unique_ptr<Engine> initialize_module(const parallel::ParallelGroups& groups,
                                           std::shared_ptr<torch::nn::Module> root,
                                           torch::nn::AnyModule any, const config::Config& config,
                                           const std::vector<ParamGroup>& param_groups = {});
-parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config);
 
 // Any LibTorch module with forward(Tensor) -> Tensor (ZeRO stages 0-2).
 template <typename ModuleHolder>

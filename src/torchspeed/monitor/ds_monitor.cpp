@@ -282,4 +282,13 @@ void Monitor::write_events(const std::vector<Event>& events) {
   if (csv_) csv_->write_events(events);
 }
 
+void Monitor::write_step(int64_t samples, std::optional<double> train_loss, double lr,
+                         std::optional<double> loss_scale) {
+  std::vector<Event> events;
+  if (train_loss) events.push_back({"Train/Samples/train_loss", *train_loss, samples});
+  events.push_back({"Train/Samples/lr", lr, samples});
+  if (loss_scale) events.push_back({"Train/Samples/loss_scale", *loss_scale, samples});
+  write_events(events);
+}
+
 }  // namespace torchspeed::monitor

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -112,6 +113,9 @@ class Monitor {
   bool enabled() const { return tensorboard_ || csv_; }
   // Writes every event to each enabled monitor; a no-op when none is.
   void write_events(const std::vector<Event>& events);
+  // DeepSpeed's engine's events of one optimizer step, at step `samples` (the global sample
+  // count): the loss when known, the lr (the schedule's after the step), the loss scale (fp16).
+  void write_step(int64_t samples, std::optional<double> train_loss, double lr, std::optional<double> loss_scale);
 
   const MonitorConfig& config() const { return config_; }
   const TensorBoardWriter* tensorboard() const { return tensorboard_.get(); }  // null when disabled

@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <mutex>
 
 namespace torchspeed::nn {
@@ -73,6 +74,16 @@ at::Tensor checkpoint(const Segment& segment, const at::Tensor& x) {
   if (!at::GradMode::is_enabled()) return segment(x);
   static const at::Tensor anchor = at::zeros({}, at::kFloat).requires_grad_(true);
   return CheckpointFunction::apply(x, anchor, c10::make_intrusive<SegmentHolder>(segment));
+}
+
+std::vector<Segment> interval_segments(size_t layers, int interval, const RangeRunner& run) {
+  std::vector<Segment> out;
+  const size_t k = interval > 0 ? static_cast<size_t>(interval) : layers;
+  for (size_t b = 0; b < layers && k > 0; b += k) {
+    const size_t e = std::min(layers, b + k);
+    out.push_back([run, b, e](const at::Tensor& x) { return run(x, b, e); });
+  }
+  return out;
 }
 
 }  // namespace torchspeed::nn

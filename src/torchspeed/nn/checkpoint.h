@@ -6,7 +6,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <functional>
+#include <vector>
 
 namespace torchspeed::nn {
 
@@ -15,5 +17,10 @@ using Segment = std::function<at::Tensor(const at::Tensor&)>;
 // The result's autograd node keeps a copy of `segment` (whatever it captures by reference must
 // outlive the backward of the result). Without grad mode, this is segment(x).
 at::Tensor checkpoint(const Segment& segment, const at::Tensor& x);
+
+// DeepSpeed's pipeline.activation_checkpoint_interval over a stack of `layers`: a segment per
+// `interval` consecutive layers (the last may be shorter), each `run(x, begin, end)`.
+using RangeRunner = std::function<at::Tensor(const at::Tensor& x, size_t begin, size_t end)>;
+std::vector<Segment> interval_segments(size_t layers, int interval, const RangeRunner& run);
 
 }  // namespace torchspeed::nn

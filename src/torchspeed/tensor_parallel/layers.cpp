@@ -2,6 +2,7 @@
 #include "torchspeed/tensor_parallel/layers.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
 #include <mutex>
@@ -123,6 +124,18 @@ void check_divisible(int64_t n, int size, const char* what) {
 }
 
 }  // namespace
+
+void share_rng_state(comm::Communicator& tp) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state().contiguous();
+  }
+  tp.broadcast(state, 0);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
 
 at::Tensor copy_to_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
   return tp->size() == 1 ? x : CopyToRegion::apply(x, tp);

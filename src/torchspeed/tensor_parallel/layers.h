@@ -23,6 +23,11 @@ at::Tensor copy_to_region(const at::Tensor& x, const comm::CommunicatorPtr& tp);
 at::Tensor reduce_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp);
 at::Tensor gather_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp);
 
+// Tensor-parallel ranks hold the same replicated activations, so their dropout masks must
+// agree: every rank of `tp` takes tp rank 0's CPU RNG state (collective). Reseed them alike
+// afterwards (e.g. by data-parallel rank) to keep them so.
+void share_rng_state(comm::Communicator& tp);
+
 // How a parameter is split across the tensor-parallel group, for checkpoints and the norm: along
 // `dim`, which is made of `chunks` equal blocks each split separately (a fused QKV weight: 3).
 struct Split {

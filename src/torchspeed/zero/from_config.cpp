@@ -1,0 +1,70 @@
+// Config -> component options: see from_config.h.
+#include "torchspeed/zero/from_config.h"
+
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::zero {
+
+precision::Precision precision_of(const config::Config& c) {
+  if (c.bf16.enabled) return precision::Precision::kBF16;
+  if (c.fp16.enabled) return precision::Precision::kFP16;
+  return precision::Precision::kFP32;
+}
+
+precision::LossScaler loss_scaler_of(const config::Config& c) {
+  if (!c.fp16.enabled) return precision::LossScaler::none();
+  precision::LossScalerOptions o;
+  o.dynamic(c.fp16.dynamic())
+      .static_scale(c.fp16.dynamic() ? 1.0 : c.fp16.loss_scale)
+      .initial_scale_power(c.fp16.initial_scale_power)
+      .scale_window(c.fp16.loss_scale_window)
+      .hysteresis(c.fp16.hysteresis)
+      .consecutive_hysteresis(c.fp16.consecutive_hysteresis)
+      .min_scale(c.fp16.min_loss_scale);
+  return precision::LossScaler(o);
+}
+
+OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<ParamGroup>& groups) {
+  TS_CHECK(!c.optimizer.type.empty(),
+           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW or SGD)");
+  OptimizerSpec s;
+  s.type = c.optimizer.type;
+  s.adam.lr = c.optimizer.lr;
+  s.adam.beta1 = c.optimizer.betas.at(0);
+  s.adam.beta2 = c.optimizer.betas.at(1);
+  s.adam.eps = c.optimizer.eps;
+  s.adam.weight_decay = c.optimizer.weight_decay;
+  s.adam.bias_correction = c.optimizer.bias_correction;
+  s.adam.adam_w_mode = c.optimizer.type == "AdamW" || c.optimizer.adam_w_mode;
+  s.sgd.lr = c.optimizer.lr;
+  s.sgd.momentum = c.optimizer.momentum;
+  s.sgd.dampening = c.optimizer.dampening;
+  s.sgd.weight_decay = c.optimizer.weight_decay;
+  s.sgd.nesterov = c.optimizer.nesterov;
+  for (const auto& g : groups) s.groups.push_back(g.options);
+  return s;
+}
+
+ZeroOptions zero_options_of(const config::Config& c) {
+  at::ScalarType comm_dtype = at::ScalarType::Undefined;  // "": the compute dtype
+  if (c.communication_data_type == "fp32") comm_dtype = at::kFloat;
+  if (c.communication_data_type == "bf16") comm_dtype = at::kBFloat16;
+  if (c.communication_data_type == "fp16") comm_dtype = at::kHalf;
+  ZeroOptions zo;
+  zo.stage(stage_of(c.zero.stage))
+      .grad_accum_dtype(c.grad_accum_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
+      .reduce_bucket_numel(c.zero.reduce_bucket_size)
+      .overlap_comm(c.zero.overlap_comm)
+      .reduce_scatter(c.zero.reduce_scatter)
+      .sub_group_numel(c.zero.sub_group_size)
+      .prefetch_bucket_numel(c.zero.prefetch_bucket_size)
+      .param_persistence_threshold(c.zero.param_persistence_threshold)
+      .max_live_parameters(c.zero.max_live_parameters)
+      .precision(precision_of(c))
+      .communication_dtype(comm_dtype)
+      .gradient_predivide_factor(c.gradient_predivide_factor)
+      .prescale_gradients(c.prescale_gradients);
+  return zo;
+}
+
+}  // namespace torchspeed::zero
