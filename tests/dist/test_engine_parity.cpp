@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "dist_util.h"
+#include "reference.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/runtime/error.h"
 
@@ -57,37 +58,13 @@ nlohmann::json base_config(int stage, bool bf16, int gas, bool sgd) {
   return j;
 }
 
-// Plain LibTorch, one process, fp32: the reference parameters after kSteps, and the gradient
-// norm of the last step.
+// Plain LibTorch, one process, fp32, on the whole global batch (reference.h): the reference
+// parameters after kSteps, and the gradient norm of the last step.
 std::map<std::string, at::Tensor> reference(const Config& cfg, double& last_norm) {
-  auto model = make_model();
-  std::vector<at::Tensor> params;
-  for (auto& p : model->parameters()) params.push_back(p);
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (cfg.optimizer.type == "SGD") {
-    opt = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(cfg.optimizer.lr)
-                                                          .momentum(cfg.optimizer.momentum));
-  } else {
-    opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(cfg.optimizer.lr)
-                                                            .betas({cfg.optimizer.betas[0], cfg.optimizer.betas[1]})
-                                                            .eps(cfg.optimizer.eps)
-                                                            .weight_decay(cfg.optimizer.weight_decay));
-  }
-  torchspeed::optim::LRSchedule schedule(cfg.scheduler, cfg.optimizer.lr);
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = global_batch(step);
-    opt->zero_grad();
-    model->loss(model->forward(x), y).backward();
-    last_norm = torch::nn::utils::clip_grad_norm_(params, cfg.gradient_clipping > 0 ? cfg.gradient_clipping : 1e30);
-    opt->param_groups()[0].options().set_lr(schedule.lr());
-    opt->step();
-    schedule.step();
-  }
-  std::map<std::string, at::Tensor> out;
-  for (size_t i = 0; i < model->size(); ++i)
-    for (auto& item : model->layer_module(i)->named_parameters())
-      out[model->layer_name(i) + "." + item.key()] = item.value().detach().clone();
-  return out;
+  ts_test::ReferenceTrainer ref(make_model(), cfg);
+  for (int step = 0; step < kSteps; ++step) ref.step({global_batch(step)});
+  last_norm = ref.last_grad_norm();
+  return ref.params();
 }
 
 // Trains with the engine: each rank takes its rows of every micro-batch.
@@ -111,13 +88,11 @@ std::vector<std::pair<std::string, at::Tensor>> train(const torchspeed::parallel
   return engine->master_params();
 }
 
-// ||a - b|| / ||b|| over one tensor. (Element-wise, a weight whose gradient is a near-total
-// cancellation can move by 1e-4 of the tensor's range: Adam divides such a gradient by its own
-// magnitude, so the last-bit differences of another summation order show up in its update.
-// Plain LibTorch shows the same when it splits the batch.)
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return ((a - b).norm() / std::max(b.norm().item<double>(), 1e-12)).item<double>();
-}
+// Compared by ||a - b|| / ||b|| over one tensor (ts_test::rel_diff). (Element-wise, a weight
+// whose gradient is a near-total cancellation can move by 1e-4 of the tensor's range: Adam
+// divides such a gradient by its own magnitude, so the last-bit differences of another
+// summation order show up in its update. Plain LibTorch shows the same when it splits the batch.)
+using ts_test::rel_diff;
 
 }  // namespace
 

@@ -7,6 +7,8 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "torchspeed/runtime/error.h"
+
 namespace torchspeed {
 namespace {
 // The base allocator's DataPtr and size of every live block, by address. The DataPtr we return
@@ -51,8 +53,12 @@ void CountingAllocator::release(void* data) {
 
 CountingAllocator& count_cpu_allocations() {
   static CountingAllocator* counter = [] {
-    auto* c = new CountingAllocator(c10::GetDefaultCPUAllocator());  // lives as long as the process
+    // Wraps whatever allocator serves the CPU now (LibTorch's default unless someone installed
+    // another); lives as long as the process.
+    auto* c = new CountingAllocator(c10::GetCPUAllocator());
     c10::SetCPUAllocator(c, /*priority=*/100);
+    TS_CHECK(c10::GetCPUAllocator() == c, "could not install the counting CPU allocator: another allocator "
+             "was installed with a higher priority (c10::SetCPUAllocator)");
     return c;
   }();
   return *counter;

@@ -1,0 +1,154 @@
+// The independent reference of the parity tests: one process trains the whole model with plain
+// LibTorch — autograd, torch::nn::utils::clip_grad_norm_, torch::optim::AdamW / SGD — on the
+// global batches the ranks of a parallel run see together. No engine, ZeRO, pipeline or fused
+// optimizer code runs here (the LR value of a step comes from optim::LRSchedule, whose formulas
+// have their own unit tests).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "torchspeed/config/config.h"
+#include "torchspeed/nn/layer_stack.h"
+#include "torchspeed/optim/lr_schedule.h"
+#include "torchspeed/runtime/error.h"
+
+namespace ts_test {
+
+using MicroBatch = std::pair<at::Tensor, at::Tensor>;  // (inputs, targets)
+
+// Note [Reference training step]
+// What the engine computes, written the way a LibTorch user would: the gradient of one step is
+// the sum over the accumulation window of d(loss_m / micro_batches), each micro-batch's loss the
+// mean over its rows (the data-parallel ranks' rows of that micro-batch concatenated: the mean
+// over equal-sized shards is the mean of their means, as averaged gradients are). A tensor used
+// by several layers (a tied embedding and LM head) is one leaf, so its gradient is the sum of
+// its uses. The norm is clipped over every distinct parameter, then the optimizer steps with
+// the config's hyperparameters and the schedule's LR.
+class ReferenceTrainer {
+ public:
+  // `no_decay`: parameters (by name) in a second group without weight decay, as
+  // engine::no_weight_decay_group puts them.
+  ReferenceTrainer(torchspeed::nn::LayerStack model, const torchspeed::config::Config& cfg,
+                   std::function<bool(const std::string&, const at::Tensor&)> no_decay = nullptr)
+      : model_(std::move(model)),
+        clip_(cfg.gradient_clipping),
+        schedule_(cfg.scheduler, cfg.optimizer.lr, cfg.optimizer.betas.at(0)) {
+    TS_CHECK(cfg.optimizer.type == "AdamW" || cfg.optimizer.type == "SGD",
+             "the reference trains with AdamW or SGD, not '", cfg.optimizer.type, "'");
+    std::unordered_set<const void*> seen;
+    std::vector<at::Tensor> decay, plain;
+    for (const auto& item : model_->named_parameters()) {
+      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a tied tensor again
+      params_.push_back(item.value());
+      (no_decay && no_decay(item.key(), item.value()) ? plain : decay).push_back(item.value());
+    }
+    const auto& o = cfg.optimizer;
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    auto add_group = [&](std::vector<at::Tensor> ps, double weight_decay) {
+      if (ps.empty()) return;
+      if (o.type == "SGD") {
+        groups.emplace_back(std::move(ps), std::make_unique<torch::optim::SGDOptions>(
+                                               torch::optim::SGDOptions(o.lr)
+                                                   .momentum(o.momentum)
+                                                   .dampening(o.dampening)
+                                                   .nesterov(o.nesterov)
+                                                   .weight_decay(weight_decay)));
+      } else {
+        groups.emplace_back(std::move(ps), std::make_unique<torch::optim::AdamWOptions>(
+                                               torch::optim::AdamWOptions(o.lr)
+                                                   .betas({o.betas.at(0), o.betas.at(1)})
+                                                   .eps(o.eps)
+                                                   .weight_decay(weight_decay)));
+      }
+    };
+    add_group(decay, o.weight_decay);
+    add_group(plain, 0.0);
+    if (o.type == "SGD") {
+      opt_ = std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(o.lr));
+    } else {
+      opt_ = std::make_unique<torch::optim::AdamW>(std::move(groups),
+                                                   torch::optim::AdamWOptions(o.lr));
+    }
+  }
+
+  // One optimizer step over one accumulation window (see Note [Reference training step]).
+  // Returns the mean of the micro-batches' losses.
+  double step(const std::vector<MicroBatch>& micro_batches) {
+    TS_CHECK(!micro_batches.empty(), "a reference step needs at least one micro-batch");
+    model_->train();
+    opt_->zero_grad();
+    double sum = 0.0;
+    const double n = static_cast<double>(micro_batches.size());
+    for (const auto& [x, y] : micro_batches) {
+      at::Tensor loss = model_->loss(model_->forward(x), y);
+      sum += loss.item<double>();
+      (loss / n).backward();
+    }
+    // The norm before clipping; a non-positive gradient_clipping clips nothing.
+    last_norm_ = torch::nn::utils::clip_grad_norm_(params_, clip_ > 0.0 ? clip_ : 1e30);
+    for (auto& g : opt_->param_groups()) g.options().set_lr(schedule_.lr());
+    opt_->step();
+    schedule_.step();
+    return sum / n;
+  }
+
+  // The mean loss over micro-batches without gradients (eval mode).
+  double eval(const std::vector<MicroBatch>& micro_batches) {
+    torch::NoGradGuard no_grad;
+    model_->eval();
+    double sum = 0.0;
+    for (const auto& [x, y] : micro_batches)
+      sum += model_->loss(model_->forward(x), y).item<double>();
+    model_->train();
+    return sum / static_cast<double>(micro_batches.size());
+  }
+
+  // Global L2 norm of the last step's gradients, before clipping.
+  double last_grad_norm() const { return last_norm_; }
+  // Every parameter by name (a tied tensor under each of its names), copied.
+  std::map<std::string, at::Tensor> params() const {
+    std::map<std::string, at::Tensor> out;
+    for (const auto& item : model_->named_parameters())
+      out[item.key()] = item.value().detach().clone();
+    return out;
+  }
+  // Distinct parameter tensors and their elements.
+  size_t num_tensors() const { return params_.size(); }
+  int64_t num_parameters() const {
+    int64_t n = 0;
+    for (const auto& p : params_) n += p.numel();
+    return n;
+  }
+  // Whether two names denote the same tensor (a tied weight).
+  bool same_tensor(const std::string& a, const std::string& b) const {
+    const auto named = model_->named_parameters();
+    const at::Tensor *pa = named.find(a), *pb = named.find(b);
+    return pa && pb && pa->unsafeGetTensorImpl() == pb->unsafeGetTensorImpl();
+  }
+  torchspeed::nn::LayerStack& model() { return model_; }
+
+ private:
+  torchspeed::nn::LayerStack model_;
+  double clip_;
+  torchspeed::optim::LRSchedule schedule_;
+  std::vector<at::Tensor> params_;  // distinct, in named_parameters() order
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  double last_norm_ = 0.0;
+};
+
+// ||a - b|| / ||b|| over one tensor.
+inline double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-12);
+}
+
+}  // namespace ts_test
