@@ -75,13 +75,14 @@ struct Case {
 //   backward, the larger of two moments:
 //     while the last layer's backward runs - act: forward's activations without the loss
 //       temporary plus an activation gradient in and out (2 A b); buf: one layer's gradient as
-//       autograd returns it (s b) before the hook moves it into the unit's buffer, with
-//       overlap_comm two units' full gradients (the one filling, the one being reduced) and
-//       a reduce-scatter output (2 U b + U b / dp), and stage 3's gathered layers (3 s b);
-//     when backward returns - act: none (freed); buf: what is still being reduced: stage 1 the
-//       reduce-scatter outputs of every unit (Psi / dp in the accumulation dtype),
-//       stage 2 without overlap_comm every unit's full gradient and its output (Psi b (1 + 1 /
-//       dp): all of the gradient at once, not a bucket), with overlap_comm the last two units.
+//       autograd returns it (s b) before the hook moves it into the unit's buffer, and then
+//       without overlap_comm the unit being reduced while the hook waits (stage 2: its full
+//       gradient, U b, and for stages 1-2 the reduce-scatter output, U b / dp), with
+//       overlap_comm two units' full gradients (the one filling, the one being reduced) and a
+//       reduce-scatter output (2 U b + U b / dp), and stage 3's gathered layers (3 s b);
+//     when backward returns - act: none (freed); buf: with overlap_comm the last two units
+//       still being reduced; without it nothing (every bucket was reduced in its hook, as
+//       DeepSpeed reduces a full bucket whether or not it overlaps).
 //   step: buf, what backward left in flight; the update runs in place over the partitions.
 // With overlap_comm the prediction assumes each unit's reduction finishes while the next
 // fills (DeepSpeed's two-bucket model); a measured peak above it means reductions were still
@@ -94,7 +95,7 @@ struct Prediction {
   Terms forward, backward, step;
 };
 
-Prediction predict(const Case& c, const Dims& d, double psi, double grad_bytes) {
+Prediction predict(const Case& c, const Dims& d) {
   const double b = c.bf16 ? 2 : 4, A = static_cast<double>(d.act()),
                s = static_cast<double>(d.layer());
   const double L = static_cast<double>(d.layers);
@@ -105,10 +106,9 @@ Prediction predict(const Case& c, const Dims& d, double psi, double grad_bytes) 
   const double in_flight = overlap ? 2 * U * b + U * b / dp : 0.0;
   Prediction p;
   p.forward = {kept + 4 * A, gathered};
-  const Terms during{kept + 2 * A * b, s * b + in_flight + gathered};
+  const double waited = overlap || c.stage == 0 || c.stage == 3 ? 0.0 : (c.stage == 2 ? U * b : 0.0) + U * b / dp;
+  const Terms during{kept + 2 * A * b, s * b + in_flight + waited + gathered};
   Terms after;
-  if (c.stage == 1) after.buf = grad_bytes * psi / dp;
-  if (c.stage == 2 && !c.overlap) after.buf = psi * b * (1 + 1 / dp);
   if (overlap) after.buf = in_flight;
   p.backward = during.total() >= after.total() ? during : after;
   p.step = after;
@@ -226,7 +226,7 @@ int run_memory(const BenchArgs& args) {
                       c.stage, c.overlap ? "on" : "off", prec, m.params / 1e6, m.gradients / 1e6,
                       m.master / 1e6, m.optimizer_state / 1e6, total / 1e6, live / 1e6, f / 1e6,
                       ratio);
-          const Prediction pred = predict(c, dims, psi, grad_bytes);
+          const Prediction pred = predict(c, dims);
           report.add_result({{"dp", dp},
                              {"stage", c.stage},
                              {"overlap_comm", c.overlap},

@@ -60,7 +60,7 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   zo.norm_group(plan_.stages > 1 || config_.tp > 1 ? groups_.mp : nullptr);  // the norm spans the model's ranks
   // Pipeline stages reduce after the tied weights' gradients are summed (ReduceTiedGrads), so
   // buckets cannot start during the boundary backward.
-  if (plan_.stages > 1) zo.overlap_comm(false);
+  if (plan_.stages > 1) zo.reduce_in_backward(false);
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
   // A tied weight's later copy, and a parameter every tensor-parallel rank holds whole, count
   // once in the global norm.

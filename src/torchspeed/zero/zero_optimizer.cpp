@@ -280,7 +280,9 @@ void ZeroOptimizer::on_grad_ready(size_t ui, size_t pi) {
   on_gradient(ui, pi, /*first=*/true);
   if (++u.ready != static_cast<int>(u.params.size()) || u.deferred) return;
   on_unit_complete(ui);
-  if (reduce_now_ && options_.overlap_comm()) launch_ready();
+  if (!reduce_now_ || !options_.reduce_in_backward()) return;
+  launch_ready();
+  if (!options_.overlap_comm()) wait_reductions();  // no overlap: reduced before backward goes on
 }
 
 void ZeroOptimizer::launch_ready() {

@@ -36,8 +36,13 @@ struct ZeroOptions {
   TORCH_ARG(Stage, stage) = Stage::k0;
   // Elements per gradient bucket (stages 0-2); stage 3 buckets are the layers.
   TORCH_ARG(int64_t, reduce_bucket_numel) = 500000000;
-  // Reduce buckets during backward as they complete (else all after backward).
+  // Each bucket is reduced as soon as it is complete, during backward (DeepSpeed's reduction of
+  // a full IPG bucket), so gradients never all live at once. With overlap_comm the reduction
+  // runs asynchronously while backward goes on; without it the gradient hook waits for it.
   TORCH_ARG(bool, overlap_comm) = false;
+  // false defers every reduction to finish_backward (pipeline stages: the tied weights'
+  // gradients are summed across stages first).
+  TORCH_ARG(bool, reduce_in_backward) = true;
   // Average gradients with reduce-scatter where a rank updates only its shard (stages 1-3),
   // else with all-reduce (DeepSpeed's zero_optimization.reduce_scatter).
   TORCH_ARG(bool, reduce_scatter) = true;
