@@ -71,17 +71,8 @@ void PartitionedGradients::launch(size_t ui) {
     u.grad = at::zeros({u.padded}, at::TensorOptions().dtype(storage_dtype()));
     transient_.add(u.grad.nbytes());
   }
-  comm::ReduceOp op = comm::ReduceOp::kAvg;
-  at::Tensor buf = comm_buffer(u, op);
-  if (reduce_scatter_) {
-    u.recv = at::empty({u.shard}, at::TensorOptions().dtype(buf.scalar_type()));
-    transient_.add(u.recv.nbytes());
-    u.work = dp_->reduce_scatter_async(buf, u.recv, op);
-  } else {
-    u.recv = buf.narrow(0, dp_rank_ * u.shard, u.shard);  // in place: this rank's shard of the sum
-    u.work = dp_->all_reduce_async(buf, op);
-  }
-  in_flight_.push_back(ui);
+  at::Tensor buf = start_reduction(ui, reduce_scatter_);
+  if (!reduce_scatter_) u.recv = buf.narrow(0, dp_rank_ * u.shard, u.shard);  // in place: this rank's shard
 }
 
 void PartitionedGradients::finalize(size_t ui) {

@@ -44,17 +44,7 @@ void ReplicatedGradients::launch(size_t ui) {
   Unit& u = *units_[ui];
   if (u.launched) return;
   u.launched = true;
-  comm::ReduceOp op = comm::ReduceOp::kAvg;
-  at::Tensor buf = comm_buffer(u, op);
-  if (reduce_scatter_) {
-    // Stage 1 updates only this rank's shard: the rest of the sum is never read.
-    u.recv = at::empty({u.shard}, at::TensorOptions().dtype(buf.scalar_type()));
-    transient_.add(u.recv.nbytes());
-    u.work = dp_->reduce_scatter_async(buf, u.recv, op);
-  } else {
-    u.work = dp_->all_reduce_async(buf, op);
-  }
-  in_flight_.push_back(ui);
+  start_reduction(ui, reduce_scatter_);  // stage 1 updates only this rank's shard of the sum
 }
 
 void ReplicatedGradients::finalize(size_t ui) {

@@ -326,6 +326,21 @@ at::Tensor ZeroOptimizer::comm_buffer(Unit& u, comm::ReduceOp& op) {
   return buf;
 }
 
+at::Tensor ZeroOptimizer::start_reduction(size_t ui, bool scatter) {
+  Unit& u = *units_[ui];
+  comm::ReduceOp op = comm::ReduceOp::kAvg;
+  at::Tensor buf = comm_buffer(u, op);
+  if (scatter) {
+    u.recv = at::empty({u.shard}, at::TensorOptions().dtype(buf.scalar_type()));
+    transient_.add(u.recv.nbytes());
+    u.work = dp_->reduce_scatter_async(buf, u.recv, op);
+  } else {
+    u.work = dp_->all_reduce_async(buf, op);
+  }
+  in_flight_.push_back(ui);
+  return buf;
+}
+
 void ZeroOptimizer::after_reduce(at::Tensor& buf) const {
   const double f = options_.gradient_predivide_factor();
   if (!options_.prescale_gradients() && f != 1.0) buf.mul_(f / dp_size_);

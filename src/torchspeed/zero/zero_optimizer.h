@@ -224,6 +224,10 @@ class ZeroOptimizer {
   // Gradient buffer of a unit in the communication dtype, scaled for DeepSpeed's averaging;
   // sets `op`. Tracks its bytes when it is a separate buffer.
   at::Tensor comm_buffer(detail::Unit& u, comm::ReduceOp& op);
+  // Starts the data-parallel average of unit `ui`'s gradient (comm_buffer) and queues it in
+  // in_flight_: a reduce-scatter into u.recv (this rank's shard) with `scatter`, else an
+  // all-reduce in place. Returns the buffer being reduced.
+  at::Tensor start_reduction(size_t ui, bool scatter);
   // Undoes the predivide factor after the reduction (postscale) on `buf`.
   void after_reduce(at::Tensor& buf) const;
   void poll_finished();
