@@ -186,10 +186,55 @@ TEST(Config, TypeAndRangeErrorsNameTheJsonPath) {
                "zero_optimization.offload_param.nvme_path: is required when device is \"nvme\"");
   expect_error(with({{"zero_optimization", {{"stage", 1}, {"offload_param", {{"device", "cpu"}}}}}}),
                "parameter offload needs ZeRO stage 3");
+  expect_error(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}, {"nvme_path", "/x"}}}}}}),
+               "zero_optimization.offload_param.device: parameter offload to NVMe is not available yet");
+  expect_error(with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", 0.3}}}}}}),
+               "zero_optimization.offload_optimizer.ratio: a partial offload");
+  expect_error(with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer",
+                       {{"device", "nvme"}, {"nvme_path", "/x"}, {"buffer_count", 1}}}}}}),
+               "zero_optimization.offload_optimizer.buffer_count: must be at least 2");
+  expect_error(with({{"zero_optimization", {{"stage", 0}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}}}),
+               "optimizer offload needs ZeRO stage 1, 2 or 3");
+  expect_error(with({{"aio", {{"thread_count", 2}}}}), "aio.thread_count: torchspeed keeps queue_depth requests");
+  expect_error(with({{"aio", {{"block_size", 1000}}}}), "aio.block_size: must be a multiple of 512");
+  expect_error(with({{"aio", {{"queu_depth", 8}}}}), "aio.queu_depth: unknown key; did you mean \"queue_depth\"?");
   expect_error(with({{"amp", {{"enabled", true}}}}), "amp: is a DeepSpeed feature torchspeed does not have");
   expect_error(with({{"zero_optimization", {{"stage", 2}}}, {"pipeline", {{"stages", 2}}}}),
                "cannot be combined with pipeline parallelism", world(2));
   expect_error(json::array({1, 2}), "expected a JSON object");
+}
+
+TEST(Config, OffloadAndAioKeysAreReadWithDeepSpeedsDefaults) {
+  Config d = Config::parse({{"train_micro_batch_size_per_gpu", 1},
+                            {"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/tmp"}}}}}},
+                           world(1));
+  EXPECT_EQ(d.zero.offload_optimizer.buffer_count, 4);
+  EXPECT_FALSE(d.zero.offload_optimizer.pipeline_read);
+  EXPECT_FALSE(d.zero.offload_optimizer.pipeline_write);
+  EXPECT_EQ(d.aio.block_size, 1048576);
+  EXPECT_EQ(d.aio.queue_depth, 8);
+  EXPECT_TRUE(d.aio.overlap_events);
+  EXPECT_FALSE(d.aio.single_submit);
+  Config c = Config::parse({{"train_micro_batch_size_per_gpu", 1},
+                            {"zero_optimization", {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}, {"pipeline", true}}},
+                                                   {"offload_param", {{"device", "cpu"}, {"pin_memory", true}}}}},
+                            {"aio", {{"block_size", 262144}, {"queue_depth", 16}, {"thread_count", 1},
+                                     {"single_submit", true}, {"overlap_events", false}}}},
+                           world(1));
+  EXPECT_TRUE(c.zero.offload_optimizer.pipeline_read && c.zero.offload_optimizer.pipeline_write);
+  EXPECT_EQ(c.aio.block_size, 262144);
+  EXPECT_EQ(c.aio.queue_depth, 16);
+  EXPECT_TRUE(c.aio.single_submit);
+  EXPECT_FALSE(c.aio.overlap_events);
+  EXPECT_EQ(c.to_json()["aio"]["queue_depth"], 16);
+  // device "cpu" is said to be the in-memory path; pin_memory to have no effect.
+  std::string all;
+  for (const auto& w : c.warnings) all += w + "\n";
+  EXPECT_NE(all.find("zero_optimization.offload_optimizer.device: \"cpu\": on this CPU-only machine the state "
+                     "already lives in host memory"), std::string::npos) << all;
+  EXPECT_NE(all.find("zero_optimization.offload_param.pin_memory: has no effect without a device"), std::string::npos)
+      << all;
+  EXPECT_NE(all.find("zero_optimization.offload_optimizer.pipeline"), std::string::npos) << all;  // deprecated name
 }
 
 TEST(Config, EveryErrorIsReportedAtOnce) {

@@ -17,7 +17,7 @@ constexpr int64_t kMax32 = INT32_MAX;
 // with a warning; one that is enabled is an error naming it.
 const std::vector<std::string> kForeignSections = {
     "amp", "flops_profiler", "comms_logger", "elasticity", "autotuning", "data_efficiency",
-    "compression_training", "sparse_attention", "aio", "wandb", "comet", "quantize_training",
+    "compression_training", "sparse_attention", "wandb", "comet", "quantize_training",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula",
     "weight_quantization", "hybrid_engine"};
 // DeepSpeed flags that change nothing in torchspeed (warned, not refused).
@@ -142,17 +142,54 @@ void read_offload(JsonReader& r, OffloadConfig& c, bool optimizer) {
   c.nvme_path = r.get_string("nvme_path", "");
   c.pin_memory = r.get_bool("pin_memory", false);
   c.buffer_count = r.get_int("buffer_count", optimizer ? 4 : 5, 1);
+  if (c.pin_memory) r.warn("pin_memory", "has no effect without a device: there are no transfers to pin for");
+  if (c.device == "cpu") {
+    r.warn("device", "\"cpu\": on this CPU-only machine the state already lives in host memory, where it stays "
+                     "(nothing is offloaded); \"nvme\" moves it to files under nvme_path");
+  }
   if (optimizer) {
     c.ratio = r.get_double("ratio", 1.0, 0.0, 1.0);
-    r.accept("pipeline_read");
-    r.accept("pipeline_write");
-    r.accept("fast_init");
-    r.accept("pipeline");
+    if (c.ratio != 1.0) {
+      r.error("ratio", "a partial offload (a share of the step on the device) needs a device; torchspeed offloads "
+                       "all of the optimizer state (ratio 1.0)");
+    }
+    c.pipeline_read = r.get_bool("pipeline_read", false);
+    c.pipeline_write = r.get_bool("pipeline_write", false);
+    r.deprecated("pipeline", "\"pipeline_read\" and \"pipeline_write\"");
+    if (r.get_bool("pipeline", false)) c.pipeline_read = c.pipeline_write = true;
+    c.fast_init = r.get_bool("fast_init", false);
+    if (c.fast_init) r.warn("fast_init", "has no effect: swap files are always initialised by streaming the "
+                                         "initial state through the buffer pool");
+    if (c.device == "nvme" && c.buffer_count < 2) {
+      r.error("buffer_count", "must be at least 2 with \"nvme\" (one buffer updated while another is read or written)");
+    }
   } else {
     c.buffer_size = r.get_int("buffer_size", 100000000, 1);
     c.max_in_cpu = r.get_int("max_in_cpu", 1000000000, 0);
+    if (c.device == "nvme") {
+      r.error("device", "parameter offload to NVMe is not available yet (optimizer state offload is: "
+                        "offload_optimizer.device \"nvme\"); use \"cpu\" or \"none\"");
+    }
   }
   if (c.device == "nvme" && c.nvme_path.empty()) r.error("nvme_path", "is required when device is \"nvme\"");
+  r.finish();
+}
+
+void read_aio(JsonReader& r, AioConfig& c) {
+  c.block_size = r.get_int("block_size", 1048576, 512);
+  if (c.block_size % 512 != 0) r.error("block_size", "must be a multiple of 512 bytes (direct I/O)");
+  c.queue_depth = r.get_int("queue_depth", 8, 1, 4096);
+  auto a = r.get_opt_int("intra_op_parallelism", 1, 1024);
+  auto b = r.get_opt_int("thread_count", 1, 1024);
+  c.intra_op_parallelism = a ? *a : b ? *b : 1;
+  if (c.intra_op_parallelism != 1) {
+    r.error(a ? "intra_op_parallelism" : "thread_count",
+            "torchspeed keeps queue_depth requests in flight from one thread through io_uring; raise queue_depth "
+            "instead of using several submitting threads (only 1 is available)");
+  }
+  c.single_submit = r.get_bool("single_submit", false);
+  c.overlap_events = r.get_bool("overlap_events", true);
+  if (r.get_bool("use_gds", false)) r.error("use_gds", "GPUDirect Storage needs a GPU");
   r.finish();
 }
 
@@ -211,7 +248,7 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
   only(r, "ignore_unused_parameters", true, true,
        "torchspeed reduces zeros for parameters without gradients; false (an error for them) is not available");
   no_effect(r, "allgather_bucket_size", "updated parameters are all-gathered unit by unit (reduce_bucket_size)");
-  no_effect(r, "round_robin_gradients", "it orders gradients for CPU offload, which torchspeed does not have yet");
+  no_effect(r, "round_robin_gradients", "it spreads gradient copies to a device's host offload; gradients here are already in host memory");
   no_effect(r, "stage3_model_persistence_threshold", "every unit below stage3_param_persistence_threshold stays whole");
   no_effect(r, "model_persistence_threshold", "every unit below stage3_param_persistence_threshold stays whole");
   no_effect(r, "stage3_max_reuse_distance", "stage 3 releases a layer as soon as its forward or backward ends");
@@ -460,6 +497,7 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
   if (auto s = r.child("optimizer")) read_optimizer(*s, c.optimizer);
   if (auto s = r.child("scheduler")) read_scheduler(*s, c.scheduler);
   if (auto s = r.child("zero_optimization")) read_zero(*s, c.zero);
+  if (auto s = r.child("aio")) read_aio(*s, c.aio);
   if (auto s = r.child("activation_checkpointing")) read_activation_checkpointing(*s, c.activation_checkpointing);
   if (auto s = r.child("pipeline")) read_pipeline(*s, c.pipeline);
   if (auto s = r.child("tensor_parallel")) {
@@ -571,6 +609,9 @@ nlohmann::json Config::to_json() const {
            {"buffer_count", o.buffer_count}};
     if (optimizer) {
       j["ratio"] = o.ratio;
+      j["pipeline_read"] = o.pipeline_read;
+      j["pipeline_write"] = o.pipeline_write;
+      j["fast_init"] = o.fast_init;
     } else {
       j["buffer_size"] = o.buffer_size;
       j["max_in_cpu"] = o.max_in_cpu;
@@ -651,6 +692,9 @@ nlohmann::json Config::to_json() const {
                    {"activation_checkpoint_interval", pipeline.activation_checkpoint_interval},
                    {"schedule", pipeline.schedule}};
   j["tensor_parallel"] = {{"tp_size", tensor_parallel.tp_size}};
+  j["aio"] = {{"block_size", aio.block_size}, {"queue_depth", aio.queue_depth},
+              {"intra_op_parallelism", aio.intra_op_parallelism}, {"single_submit", aio.single_submit},
+              {"overlap_events", aio.overlap_events}};
   j["checkpoint"] = {{"tag_validation", checkpoint.tag_validation},
                      {"load_universal", checkpoint.load_universal},
                      {"use_node_local_storage", checkpoint.use_node_local_storage},

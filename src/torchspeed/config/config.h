@@ -68,7 +68,18 @@ struct OffloadConfig {
   int64_t buffer_size = 100000000;
   int64_t max_in_cpu = 1000000000;
   double ratio = 1.0;
+  bool pipeline_read = false, pipeline_write = false;  // offload_optimizer: overlap swap I/O with the step
+  bool fast_init = false;
   bool enabled() const { return device != "none"; }
+};
+
+// DeepSpeed's "aio" section: the asynchronous I/O of NVMe offload.
+struct AioConfig {
+  int64_t block_size = 1048576;
+  int64_t queue_depth = 8;
+  int64_t intra_op_parallelism = 1;  // old name thread_count
+  bool single_submit = false;
+  bool overlap_events = true;
 };
 
 struct ZeroConfig {
@@ -163,6 +174,7 @@ struct Config {
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   ZeroConfig zero;
+  AioConfig aio;
   ActivationCheckpointingConfig activation_checkpointing;
   PipelineConfig pipeline;
   TensorParallelConfig tensor_parallel;

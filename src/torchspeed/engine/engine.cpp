@@ -7,6 +7,7 @@
 
 #include <chrono>
 
+#include "torchspeed/offload/optimizer_swapper.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 #include "torchspeed/tensor_parallel/layers.h"
@@ -26,9 +27,6 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
            " differs from the data-parallel group's ", g.dp->size());
   TS_CHECK(c.pp == 1 || c.zero.stage <= 1, "pipeline.stages ", c.pp, " with zero_optimization.stage ", c.zero.stage,
            ": pipeline parallelism combines with ZeRO stages 0 and 1 (as in DeepSpeed)");
-  TS_CHECK(!c.zero.offload_optimizer.enabled() && !c.zero.offload_param.enabled(),
-           "zero_optimization.offload_optimizer/offload_param: offload is not available yet; "
-           "remove the offload settings (or the deprecated cpu_offload key)");
 }
 
 }  // namespace
@@ -61,6 +59,7 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   // Pipeline stages reduce after the tied weights' gradients are summed (ReduceTiedGrads), so
   // buckets cannot start during the boundary backward.
   if (plan_.stages > 1) zo.reduce_in_backward(false);
+  zo.state_store(offload::make_optimizer_store(config_, groups_.world->rank()));
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
   // A tied weight's later copy, and a parameter every tensor-parallel rank holds whole, count
   // once in the global norm.

@@ -58,6 +58,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/zero/detail/units.h"
@@ -196,29 +197,84 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
 
   const auto st = storage_dtype();
   const auto prec = options_.precision();
-  const bool separate_master = prec != precision::Precision::kFP32;
+  has_master_ = prec != precision::Precision::kFP32;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  if (separate_master) master_ = at::zeros({part_numel_}, f32);
-  exp_avg_ = at::zeros({part_numel_}, f32);
-  if (opt_.type != "SGD") exp_avg_sq_ = at::zeros({part_numel_}, f32);
+  std::vector<at::Tensor> master_init;  // bf16/fp16: each unit's exact fp32 update range
   size_t orig = 0;
   for (auto& up : units_) {
     Unit& u = *up;
     // The exact fp32 values of the whole unit, then the storage copy and the master shard.
     at::Tensor exact = at::zeros({u.padded}, f32);
-    for (auto& p : u.params) exact.narrow(0, p.offset, p.numel).copy_(originals[orig++].view({-1}));
+    for (auto& p : u.params) {
+      exact.narrow(0, p.offset, p.numel).copy_(originals[orig].view({-1}));
+      originals[orig++] = at::Tensor();  // one fp32 copy of the model at a time, not two
+    }
     at::Tensor stored = exact;
     if (prec == precision::Precision::kFP16) stored = exact.to(at::kHalf).to(at::kFloat);
     u.full = stored.to(st).contiguous();
     if (u.full.data_ptr() == exact.data_ptr()) u.full = u.full.clone();
-    if (separate_master) master_.narrow(0, u.part_offset, u.part_size).copy_(exact.narrow(0, u.update_begin, u.part_size));
+    if (has_master_) master_init.push_back(exact.narrow(0, u.update_begin, u.part_size).clone());
     {
       c10::NoGradGuard guard;
       for (auto& p : u.params) p.param.set_data(u.full.narrow(0, p.offset, p.numel).view(p.shape));
     }
     allocate(u);
   }
+  open_store(std::move(master_init));
   register_hooks();
+}
+
+// Note [Step pieces]
+// The step visits this rank's partition in pieces: each unit's update range, cut where the
+// parameter group changes (segments) and every sub_group_size elements (DeepSpeed's
+// sub-groups). The pieces tile the partition in order, and the PartitionStore is handed the same
+// list, so an offloading store can read piece i+1 and write piece i-1 while piece i is updated.
+// The arithmetic is element by element, so where the pieces are cut never changes a result.
+void ZeroOptimizer::open_store(std::vector<at::Tensor> master_init) {
+  const int64_t sub = options_.sub_group_numel();
+  std::vector<PieceRange> ranges;
+  for (size_t ui = 0; ui < units_.size(); ++ui) {
+    const Unit& u = *units_[ui];
+    for (const auto& seg : u.segments)
+      for (int64_t off = 0; off < seg.length; off += sub) {
+        const int64_t n = std::min(sub, seg.length - off);
+        pieces_.push_back({ui, seg.begin + off, n, seg.group});
+        ranges.push_back({u.part_offset + seg.begin + off, n});
+      }
+  }
+  kinds_.clear();
+  if (has_master_) kinds_.push_back("master");
+  for (auto& k : state_kinds()) kinds_.push_back(k);
+  store_ = options_.state_store() ? options_.state_store() : std::make_shared<MemoryStore>();
+  store_->open(kinds_, part_numel_, std::move(ranges));
+  // Initial state: the exact masters, zero moments.
+  store_->visit(
+      [&](size_t i, float* const* state) {
+        const Piece& pc = pieces_[i];
+        for (size_t k = 0; k < kinds_.size(); ++k) {
+          if (k == 0 && has_master_) {
+            std::memcpy(state[k], master_init[pc.unit].data_ptr<float>() + pc.begin,
+                        static_cast<size_t>(pc.length) * sizeof(float));
+          } else {
+            std::memset(state[k], 0, static_cast<size_t>(pc.length) * sizeof(float));
+          }
+        }
+      },
+      /*read=*/false, /*write=*/true);
+}
+
+at::Tensor ZeroOptimizer::read_kind(size_t kind, bool copy) const {
+  if (at::Tensor t = store_->resident(kind); t.defined()) return copy ? t.clone() : t;
+  at::Tensor out = at::empty({part_numel_}, at::kFloat);
+  float* dst = out.data_ptr<float>();
+  store_->visit(
+      [&](size_t i, float* const* state) {
+        const Piece& pc = pieces_[i];
+        std::memcpy(dst + units_[pc.unit]->part_offset + pc.begin, state[kind],
+                    static_cast<size_t>(pc.length) * sizeof(float));
+      },
+      /*read=*/true, /*write=*/false);
+  return out;
 }
 
 at::ScalarType ZeroOptimizer::storage_dtype() const {
@@ -411,40 +467,43 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   ++step_count_;
   const optim::ParamOut out_kind = param_out(/*master_is_param=*/true);
   const double base_lr = opt_.type == "SGD" ? opt_.sgd.lr : opt_.adam.lr;
-  for (auto& up : units_) {
-    Unit& u = *up;
-    at::Tensor grad = update_grad(u);
-    at::Tensor dest = update_dest(u);  // the whole unit or this rank's shard of it
-    at::Tensor master = master_.defined() ? master_.narrow(0, u.part_offset, u.part_size) : dest;
-    for (const auto& seg : u.segments)
-    for (int64_t off = 0; off < seg.length; off += options_.sub_group_numel()) {
-      const detail::Segment s{seg.begin + off, std::min(options_.sub_group_numel(), seg.length - off), seg.group};
-      ++timings_.optimizer_sub_groups;
-      const ParamGroupOptions* g = s.group > 0 ? &opt_.groups[static_cast<size_t>(s.group - 1)] : nullptr;
-      const double group_lr = g && g->lr && base_lr > 0.0 ? lr * (*g->lr / base_lr) : lr;
-      float* p = master.data_ptr<float>() + s.begin;
-      const void* gr = static_cast<const char*>(grad.data_ptr()) + s.begin * static_cast<int64_t>(grad.element_size());
-      float* m = exp_avg_.data_ptr<float>() + u.part_offset + s.begin;
-      void* out = master_.defined() ? static_cast<char*>(dest.data_ptr()) + s.begin * static_cast<int64_t>(dest.element_size())
-                                    : nullptr;
-      if (opt_.type == "SGD") {
-        optim::SgdHyper h = opt_.sgd;
-        h.lr = group_lr;
-        if (g && g->weight_decay) h.weight_decay = *g->weight_decay;
-        h.first_step = step_count_ == 1;
-        optim::sgd_step(p, gr, grad.scalar_type(), grad_scale, h.momentum != 0.0 ? m : nullptr, s.length, h, out,
-                        out_kind);
-      } else {
-        optim::AdamHyper h = opt_.adam;
-        h.lr = group_lr;
-        if (g && g->weight_decay) h.weight_decay = *g->weight_decay;
-        if (beta1) h.beta1 = *beta1;
-        h.step = step_count_;
-        optim::adam_step(p, gr, grad.scalar_type(), grad_scale, m,
-                         exp_avg_sq_.data_ptr<float>() + u.part_offset + s.begin, s.length, h, out, out_kind);
-      }
-    }
-  }
+  const size_t km = has_master_ ? 1 : 0;  // index of the first moment in kinds_
+  size_t cached = SIZE_MAX;
+  at::Tensor grad, dest;
+  store_->visit(
+      [&](size_t i, float* const* state) {
+        const Piece& s = pieces_[i];
+        Unit& u = *units_[s.unit];
+        if (cached != s.unit) {
+          grad = update_grad(u);
+          dest = update_dest(u);  // the whole unit or this rank's shard of it
+          cached = s.unit;
+        }
+        ++timings_.optimizer_sub_groups;
+        const ParamGroupOptions* g = s.group > 0 ? &opt_.groups[static_cast<size_t>(s.group - 1)] : nullptr;
+        const double group_lr = g && g->lr && base_lr > 0.0 ? lr * (*g->lr / base_lr) : lr;
+        float* p = has_master_ ? state[0] : dest.data_ptr<float>() + s.begin;
+        const void* gr = static_cast<const char*>(grad.data_ptr()) + s.begin * static_cast<int64_t>(grad.element_size());
+        float* m = state[km];
+        void* out = has_master_ ? static_cast<char*>(dest.data_ptr()) + s.begin * static_cast<int64_t>(dest.element_size())
+                                : nullptr;
+        if (opt_.type == "SGD") {
+          optim::SgdHyper h = opt_.sgd;
+          h.lr = group_lr;
+          if (g && g->weight_decay) h.weight_decay = *g->weight_decay;
+          h.first_step = step_count_ == 1;
+          optim::sgd_step(p, gr, grad.scalar_type(), grad_scale, h.momentum != 0.0 ? m : nullptr, s.length, h, out,
+                          out_kind);
+        } else {
+          optim::AdamHyper h = opt_.adam;
+          h.lr = group_lr;
+          if (g && g->weight_decay) h.weight_decay = *g->weight_decay;
+          if (beta1) h.beta1 = *beta1;
+          h.step = step_count_;
+          optim::adam_step(p, gr, grad.scalar_type(), grad_scale, m, state[km + 1], s.length, h, out, out_kind);
+        }
+      },
+      /*read=*/true, /*write=*/true);
   timings_.optimizer_s += seconds_since(t1);
 
   auto t2 = Clock::now();
@@ -477,17 +536,24 @@ MemoryReport ZeroOptimizer::memory() const {
     if (u->shard_param.defined()) r.params += u->shard_param.nbytes();
   }
   r.gradients = gradient_bytes();
-  if (master_.defined()) r.master = master_.nbytes();
-  r.optimizer_state = exp_avg_.nbytes() + (exp_avg_sq_.defined() ? exp_avg_sq_.nbytes() : 0);
+  const int64_t resident = store_->resident_bytes();
+  if (store_->resident(0).defined()) {  // whole tensors in RAM
+    if (has_master_) r.master = part_numel_ * static_cast<int64_t>(sizeof(float));
+    r.optimizer_state = resident - r.master;
+  } else {
+    r.optimizer_state = resident;  // the buffer pool
+    r.offloaded = store_->offloaded_bytes();
+  }
   r.peak_transient = transient_.peak;
   return r;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::gather_master() {
   std::vector<std::pair<std::string, at::Tensor>> out;
+  const at::Tensor master = has_master_ ? read_kind(0, /*copy=*/false) : at::Tensor();
   for (auto& up : units_) {
     Unit& u = *up;
-    at::Tensor local = master_.defined() ? master_.narrow(0, u.part_offset, u.part_size) : update_dest(u);
+    at::Tensor local = has_master_ ? master.narrow(0, u.part_offset, u.part_size) : update_dest(u);
     at::Tensor whole = local.to(at::kFloat).contiguous();
     if (sharded_) {
       whole = at::empty({u.padded}, at::kFloat);
@@ -499,22 +565,17 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::gather_master() {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::export_partition(bool copy) const {
-  auto out_tensor = [copy](const at::Tensor& t) { return copy ? t.clone() : t; };
-  at::Tensor master = master_.defined() ? out_tensor(master_) : at::empty({part_numel_}, at::kFloat);
-  if (!master_.defined()) {  // fp32: the masters are the parameters (or stage 3 shards) themselves
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (!has_master_) {  // fp32: the masters are the parameters (or stage 3 shards) themselves
+    at::Tensor master = at::empty({part_numel_}, at::kFloat);
     for (const auto& up : units_) {
       const Unit& u = *up;
       at::Tensor src = u.persistent ? u.full.narrow(0, u.update_begin, u.part_size) : u.shard_param;
       master.narrow(0, u.part_offset, u.part_size).copy_(src);
     }
+    out.emplace_back("master", master);
   }
-  std::vector<std::pair<std::string, at::Tensor>> out{{"master", master}};
-  if (opt_.type == "SGD") {
-    out.emplace_back("momentum", out_tensor(exp_avg_));
-  } else {
-    out.emplace_back("exp_avg", out_tensor(exp_avg_));
-    out.emplace_back("exp_avg_sq", out_tensor(exp_avg_sq_));
-  }
+  for (size_t k = 0; k < kinds_.size(); ++k) out.emplace_back(kinds_[k], read_kind(k, copy));
   return out;
 }
 
@@ -530,34 +591,45 @@ void ZeroOptimizer::import_partition(std::vector<std::pair<std::string, at::Tens
     TS_CHECK(false, "optimizer state has no '", name, "' tensor");
   };
   // Every tensor is checked before any buffer changes.
-  at::Tensor& master = find("master");
-  for (const auto& kind : state_kinds()) find(kind);
-  // A tensor only this call holds becomes the live buffer (a checkpoint load); others are copied.
-  auto adopt = [](at::Tensor& live, at::Tensor& t) {
-    if (t.is_contiguous() && t.storage_offset() == 0 && t.use_count() == 1 && t.storage().use_count() == 1) {
-      live = std::move(t);
-    } else {
+  find("master");
+  at::Tensor master = has_master_ ? at::Tensor() : find("master");  // fp32: written to the parameters
+  std::vector<at::Tensor> kind_tensors;
+  for (const auto& kind : kinds_) kind_tensors.push_back(find(kind).contiguous());
+  for (auto& [n, t] : tensors) t = at::Tensor();  // ours are the only references left
+  // A tensor only this call holds becomes the live buffer of a resident store (a checkpoint
+  // load); otherwise it is copied, streamed piece by piece into the store.
+  bool all_adopted = true;
+  for (size_t k = 0; k < kinds_.size(); ++k) {
+    at::Tensor& t = kind_tensors[k];
+    const bool sole = t.storage_offset() == 0 && t.use_count() == 1 && t.storage().use_count() == 1;
+    at::Tensor live = store_->resident(k);
+    if (live.defined() && sole && store_->adopt(k, t)) continue;
+    if (live.defined()) {
       live.copy_(t);
+      continue;
     }
-  };
-  if (opt_.type == "SGD") {
-    adopt(exp_avg_, find("momentum"));
-  } else {
-    adopt(exp_avg_, find("exp_avg"));
-    adopt(exp_avg_sq_, find("exp_avg_sq"));
+    all_adopted = false;
   }
+  if (!all_adopted) {
+    store_->visit(
+        [&](size_t i, float* const* state) {
+          const Piece& pc = pieces_[i];
+          const int64_t at = units_[pc.unit]->part_offset + pc.begin;
+          for (size_t k = 0; k < kinds_.size(); ++k)
+            std::memcpy(state[k], kind_tensors[k].data_ptr<float>() + at, static_cast<size_t>(pc.length) * sizeof(float));
+        },
+        /*read=*/false, /*write=*/true);
+  }
+  if (has_master_) master = kind_tensors[0];
+  kind_tensors.clear();
   step_count_ = steps;
   const optim::ParamOut out_kind = param_out(/*master_is_param=*/false);
-  if (master_.defined()) {
-    adopt(master_, master);
-    master = master_;
-  }
   before_import();
+  master = master.contiguous();
   for (auto& up : units_) {
     Unit& u = *up;
     at::Tensor dest = update_dest(u);
-    at::Tensor src = master.narrow(0, u.part_offset, u.part_size).contiguous();
-    optim::write_params(src.data_ptr<float>(), u.part_size, dest.data_ptr(), out_kind);
+    optim::write_params(master.data_ptr<float>() + u.part_offset, u.part_size, dest.data_ptr(), out_kind);
   }
   gather_updated();
   zero_grad();

@@ -20,6 +20,7 @@
 #include "torchspeed/optim/fused_optimizers.h"
 #include "torchspeed/precision/loss_scaler.h"
 #include "torchspeed/zero/partition_layout.h"
+#include "torchspeed/zero/partition_store.h"
 
 namespace torchspeed::zero {
 
@@ -68,6 +69,8 @@ struct ZeroOptions {
   // The other ranks holding the rest of the model (pipeline stages): the gradient norm and the
   // overflow decision cover the whole model. Null: this rank holds all of it.
   TORCH_ARG(comm::CommunicatorPtr, norm_group) = nullptr;
+  // Where the optimizer partition (masters, moments) lives; null: a MemoryStore (RAM).
+  TORCH_ARG(PartitionStorePtr, state_store) = nullptr;
 };
 
 // Hyperparameters of one parameter group; unset fields take the optimizer's own.
@@ -105,7 +108,8 @@ struct MemoryReport {
   int64_t params = 0;          // model parameters (full or shards), compute dtype
   int64_t gradients = 0;       // persistent gradient buffers (full for stage 0/1, partitions for 2/3)
   int64_t master = 0;          // fp32 master weights (bf16/fp16 training)
-  int64_t optimizer_state = 0; // moments
+  int64_t optimizer_state = 0; // moments (with offload: the store's buffer pool)
+  int64_t offloaded = 0;       // optimizer state kept in a slower tier (not counted in total())
   int64_t peak_transient = 0;  // largest transient use seen: gathered layers, bucket buffers
   int64_t total() const { return params + gradients + master + optimizer_state; }
 };
@@ -259,9 +263,22 @@ class ZeroOptimizer {
   at::Tensor update_dest(detail::Unit& u);
   void gather_updated();
 
-  at::Tensor master_;     // fp32 [part]: bf16/fp16 training
-  at::Tensor exp_avg_;    // fp32 [part] (SGD: momentum)
-  at::Tensor exp_avg_sq_; // fp32 [part]
+  // A kind's whole [part] tensor: the resident one (copied when `copy`), or read from the store.
+  at::Tensor read_kind(size_t kind, bool copy) const;
+  // Cuts the partition into pieces, opens the store and writes the initial state.
+  void open_store(std::vector<at::Tensor> master_init);
+
+  // The partition state: kinds_ = ["master" (bf16/fp16 training: a separate fp32 copy)] +
+  // state_kinds(), each fp32 [part], visited in pieces_ (Note [Step pieces]).
+  PartitionStorePtr store_;
+  std::vector<std::string> kinds_;
+  bool has_master_ = false;
+  struct Piece {
+    size_t unit;
+    int64_t begin, length;  // relative to the unit's update range
+    int group;
+  };
+  std::vector<Piece> pieces_;
   // The AccumulateGrad nodes our hooks sit on, kept alive (std::shared_ptr in LibTorch 1.13,
   // c10::intrusive_ptr in 2.x: whatever grad_accumulator returns).
   using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));

@@ -1,0 +1,68 @@
+// PartitionStore: where a rank's optimizer partition lives (fp32 master weights where they are a
+// separate copy, and the moments). The step, the checkpoint export and the import reach it only
+// through visit(), piece by piece in partition order, so the store decides what is resident:
+// MemoryStore keeps whole tensors in RAM; offload/ streams the pieces from files through a small
+// buffer pool (Note [Optimizer swapping] in offload/optimizer_swapper.cpp). A further tier (a
+// device's memory) is one more implementation, not a change here.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torchspeed::zero {
+
+// A range of the partition [begin, begin + length) in elements.
+struct PieceRange {
+  int64_t begin = 0, length = 0;
+};
+
+class PartitionStore {
+ public:
+  virtual ~PartitionStore() = default;
+
+  // Called once by the optimizer: the fp32 tensors it keeps ("master", "exp_avg", ...), each of
+  // `part_numel` elements, and the pieces its step visits, in order, tiling [0, part_numel).
+  virtual void open(std::vector<std::string> kinds, int64_t part_numel, std::vector<PieceRange> pieces) = 0;
+
+  // Calls fn(piece, state) for every piece in order; state[k] points at the piece's elements of
+  // kinds[k]. `read`: the pointers hold the stored values (else anything: fn writes all of
+  // them). `write`: what fn leaves there is stored.
+  using Visitor = std::function<void(size_t piece, float* const* state)>;
+  virtual void visit(const Visitor& fn, bool read, bool write) = 0;
+
+  // The whole tensor of a kind when it is resident (MemoryStore), else undefined.
+  virtual at::Tensor resident(size_t kind) { return at::Tensor(); }
+  // Replaces a resident kind's tensor (a checkpoint load adopting its buffers). False when the
+  // store is not resident: the caller writes through visit().
+  virtual bool adopt(size_t kind, at::Tensor t) { return false; }
+
+  // RAM the store holds (whole tensors, or the buffer pool) and bytes in the slower tier.
+  virtual int64_t resident_bytes() const = 0;
+  virtual int64_t offloaded_bytes() const { return 0; }
+  // Where the state lives, for logs and `torchspeed config`: "memory", "nvme:/path (...)".
+  virtual std::string describe() const = 0;
+};
+
+using PartitionStorePtr = std::shared_ptr<PartitionStore>;
+
+// Everything in RAM: one fp32 tensor per kind.
+class MemoryStore final : public PartitionStore {
+ public:
+  void open(std::vector<std::string> kinds, int64_t part_numel, std::vector<PieceRange> pieces) override;
+  void visit(const Visitor& fn, bool read, bool write) override;
+  at::Tensor resident(size_t kind) override { return tensors_.at(kind); }
+  bool adopt(size_t kind, at::Tensor t) override;
+  int64_t resident_bytes() const override;
+  std::string describe() const override { return "memory"; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<PieceRange> pieces_;
+};
+
+}  // namespace torchspeed::zero
