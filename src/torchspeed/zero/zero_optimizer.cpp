@@ -140,7 +140,6 @@ ZeroOptimizer::~ZeroOptimizer() {
 void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
   const int64_t align = 16 * dp_size_;
   const int max_group = static_cast<int>(opt_.groups.size());
-  std::vector<at::Tensor> originals;  // exact fp32 values, in unit order
   for (auto& g : groups) {
     auto u = std::make_unique<Unit>();
     for (auto& p : g) {
@@ -150,7 +149,6 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
                "' is not a floating-point tensor");
       TS_CHECK(p.param.device().is_cpu(), "parameter '", p.name, "' is on ", p.param.device(),
                "; this engine trains on CPU");
-      originals.push_back(p.param.detach().to(at::kFloat).contiguous().clone());
       detail::UnitParam up;
       up.name = p.name;
       up.param = p.param;
@@ -195,33 +193,25 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
     units_.push_back(std::move(u));
   }
 
-  const auto st = storage_dtype();
-  const auto prec = options_.precision();
-  has_master_ = prec != precision::Precision::kFP32;
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  std::vector<at::Tensor> master_init;  // bf16/fp16: each unit's exact fp32 update range
-  size_t orig = 0;
-  for (auto& up : units_) {
-    Unit& u = *up;
-    // The exact fp32 values of the whole unit, then the storage copy and the master shard.
-    at::Tensor exact = at::zeros({u.padded}, f32);
-    for (auto& p : u.params) {
-      exact.narrow(0, p.offset, p.numel).copy_(originals[orig].view({-1}));
-      originals[orig++] = at::Tensor();  // one fp32 copy of the model at a time, not two
-    }
-    at::Tensor stored = exact;
-    if (prec == precision::Precision::kFP16) stored = exact.to(at::kHalf).to(at::kFloat);
-    u.full = stored.to(st).contiguous();
-    if (u.full.data_ptr() == exact.data_ptr()) u.full = u.full.clone();
-    if (has_master_) master_init.push_back(exact.narrow(0, u.update_begin, u.part_size).clone());
-    {
-      c10::NoGradGuard guard;
-      for (auto& p : u.params) p.param.set_data(u.full.narrow(0, p.offset, p.numel).view(p.shape));
-    }
-    allocate(u);
-  }
-  open_store(std::move(master_init));
+  has_master_ = options_.precision() != precision::Precision::kFP32;
+  open_store();
   register_hooks();
+}
+
+void ZeroOptimizer::make_unit_buffers(Unit& u, at::Tensor& exact) {
+  const auto prec = options_.precision();
+  // The exact fp32 values of the whole unit, then the storage copy the parameters become views of.
+  exact = at::zeros({u.padded}, at::kFloat);
+  for (auto& p : u.params) exact.narrow(0, p.offset, p.numel).view(p.shape).copy_(p.param.detach());
+  at::Tensor stored = exact;
+  if (prec == precision::Precision::kFP16) stored = exact.to(at::kHalf).to(at::kFloat);
+  u.full = stored.to(storage_dtype()).contiguous();
+  if (u.full.data_ptr() == exact.data_ptr()) u.full = u.full.clone();
+  {
+    c10::NoGradGuard guard;  // the model's own fp32 storage is freed here, unit by unit
+    for (auto& p : u.params) p.param.set_data(u.full.narrow(0, p.offset, p.numel).view(p.shape));
+  }
+  allocate(u);
 }
 
 // Note [Step pieces]
@@ -230,7 +220,7 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
 // sub-groups). The pieces tile the partition in order, and the PartitionStore is handed the same
 // list, so an offloading store can read piece i+1 and write piece i-1 while piece i is updated.
 // The arithmetic is element by element, so where the pieces are cut never changes a result.
-void ZeroOptimizer::open_store(std::vector<at::Tensor> master_init) {
+void ZeroOptimizer::open_store() {
   const int64_t sub = options_.sub_group_numel();
   std::vector<PieceRange> ranges;
   for (size_t ui = 0; ui < units_.size(); ++ui) {
@@ -247,13 +237,20 @@ void ZeroOptimizer::open_store(std::vector<at::Tensor> master_init) {
   for (auto& k : state_kinds()) kinds_.push_back(k);
   store_ = options_.state_store() ? options_.state_store() : std::make_shared<MemoryStore>();
   store_->open(kinds_, part_numel_, std::move(ranges));
-  // Initial state: the exact masters, zero moments.
+  // Initial state: the exact masters, zero moments. Each unit's buffers are made when the
+  // visit reaches it, so one unit's exact fp32 copy exists at a time (every unit has pieces).
+  size_t current = SIZE_MAX;
+  at::Tensor exact;
   store_->visit(
       [&](size_t i, float* const* state) {
         const Piece& pc = pieces_[i];
+        if (pc.unit != current) {
+          current = pc.unit;
+          make_unit_buffers(*units_[current], exact);
+        }
         for (size_t k = 0; k < kinds_.size(); ++k) {
           if (k == 0 && has_master_) {
-            std::memcpy(state[k], master_init[pc.unit].data_ptr<float>() + pc.begin,
+            std::memcpy(state[k], exact.data_ptr<float>() + units_[current]->update_begin + pc.begin,
                         static_cast<size_t>(pc.length) * sizeof(float));
           } else {
             std::memset(state[k], 0, static_cast<size_t>(pc.length) * sizeof(float));

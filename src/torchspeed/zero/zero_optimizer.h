@@ -265,8 +265,10 @@ class ZeroOptimizer {
 
   // A kind's whole [part] tensor: the resident one (copied when `copy`), or read from the store.
   at::Tensor read_kind(size_t kind, bool copy) const;
-  // Cuts the partition into pieces, opens the store and writes the initial state.
-  void open_store(std::vector<at::Tensor> master_init);
+  // Cuts the partition into pieces, opens the store, makes each unit's buffers and writes the
+  // initial state.
+  void open_store();
+  void make_unit_buffers(detail::Unit& u, at::Tensor& exact);
 
   // The partition state: kinds_ = ["master" (bf16/fp16 training: a separate fp32 copy)] +
   // state_kinds(), each fp32 [part], visited in pieces_ (Note [Step pieces]).
