@@ -60,6 +60,9 @@ int run_tp(const BenchArgs& args);
 // `self`: this executable, to launch the 2-rank engine part (run_train_engine_part) with.
 int run_train(const BenchArgs& args, const std::string& self);
 int run_train_engine_part(const BenchArgs& args);
+// `self`: this executable, run as `bench offload --engine-part` in child processes.
+int run_offload(const BenchArgs& args, const std::string& self);
+int run_offload_part(const BenchArgs& args);
 // `self`: this executable, run as `serve` in child processes.
 int run_serve(const BenchArgs& args, const std::string& self);
 

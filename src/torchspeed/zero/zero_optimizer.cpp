@@ -60,6 +60,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <malloc.h>
+
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/zero/detail/units.h"
 
@@ -194,6 +196,7 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
   }
 
   has_master_ = options_.precision() != precision::Precision::kFP32;
+  ::malloc_trim(0);  // the layers' construction temporaries
   open_store();
   register_hooks();
 }
@@ -208,9 +211,12 @@ void ZeroOptimizer::make_unit_buffers(Unit& u, at::Tensor& exact) {
   u.full = stored.to(storage_dtype()).contiguous();
   if (u.full.data_ptr() == exact.data_ptr()) u.full = u.full.clone();
   {
-    c10::NoGradGuard guard;  // the model's own fp32 storage is freed here, unit by unit
+    c10::NoGradGuard guard;  // the model's own storage is freed here, unit by unit
     for (auto& p : u.params) p.param.set_data(u.full.narrow(0, p.offset, p.numel).view(p.shape));
   }
+  // ...and goes back to the system now: glibc keeps freed chunks below its (dynamic) mmap
+  // threshold in the heap, and RSS would otherwise hold old and new copies of the model at once.
+  ::malloc_trim(0);
   allocate(u);
 }
 
