@@ -3,7 +3,8 @@
 // queue depth and directory); the step time of an offloaded GPT vs max(the I/O time of its swap
 // bytes at fio's bandwidth, the in-memory step time); peak RSS offloaded vs in memory vs the
 // buffer-pool formula; and the largest GPT that trains under one memory budget (a cgroup
-// memory limit where the machine allows one, and peak RSS) with and without offload.
+// memory limit where the machine allows one, and peak RSS) in memory (ZeRO-1) and with the
+// optimizer state and parameters offloaded (ZeRO-3).
 // The GPT runs are child processes (`bench offload --engine-part --spec JSON`), so each has its
 // own peak RSS. The swap directory is $TORCHSPEED_NVME_PATH, default <tmp>/torchspeed-bench-offload.
 #include <sys/resource.h>
@@ -100,7 +101,9 @@ PartResult run_part(const std::string& self, const json& spec, const MemoryCgrou
   return r;
 }
 
-json gpt_spec_json(int64_t d, int64_t layers, bool offload, const std::string& nvme, int steps, bool quick) {
+// offload: "none", "optimizer" (ZeRO-1, optimizer state on disk) or "all" (ZeRO-3, optimizer
+// state and parameters on disk).
+json gpt_spec_json(int64_t d, int64_t layers, const std::string& offload, const std::string& nvme, int steps, bool quick) {
   return {{"d_model", d}, {"n_layer", layers}, {"offload", offload}, {"nvme", nvme}, {"steps", steps},
           {"seq", quick ? 32 : 64}, {"micro", 2}};
 }
@@ -115,10 +118,16 @@ int run_offload_part(const BenchArgs& args) {
   g.n_head = g.d_model / 64;
   g.seq_len = s["seq"];
   const int64_t micro = s["micro"];
-  json zero = {{"stage", 1}, {"sub_group_size", 4000000}, {"reduce_bucket_size", 20000000}};
-  if (s["offload"].get<bool>()) {
+  const std::string offload = s["offload"];
+  json zero = {{"stage", offload == "all" ? 3 : 1}, {"sub_group_size", 4000000}, {"reduce_bucket_size", 20000000},
+               {"overlap_comm", false}, {"stage3_param_persistence_threshold", 0}};
+  if (offload != "none") {
     zero["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", s["nvme"]}, {"buffer_count", 4},
                                  {"pipeline_read", true}, {"pipeline_write", true}};
+  }
+  if (offload == "all") {
+    zero["offload_param"] = {{"device", "nvme"}, {"nvme_path", s["nvme"]}, {"buffer_count", 4},
+                             {"buffer_size", 8000000}, {"max_in_cpu", 0}};
   }
   config::WorldShape shape;
   shape.world_size = 1;
@@ -128,7 +137,16 @@ int run_offload_part(const BenchArgs& args) {
        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-4}}}}}, {"zero_optimization", zero}},
       shape);
   const Runtime& rt = runtime();
-  auto engine = initialize(rt, models::gpt_spec(g, 1), cfg);
+  // Each layer built in fp32 and cast to bf16 at once: the whole model never exists in fp32.
+  nn::StackSpec spec = models::gpt_spec(g, 1);
+  for (auto& l : spec.layers) {
+    l.build = [inner = l.build](const nn::TiedTensors& tied) {
+      torch::nn::AnyModule m = inner(tied);
+      m.ptr()->to(at::kBFloat16);
+      return m;
+    };
+  }
+  auto engine = initialize(rt, spec, cfg);
   std::vector<double> times;
   for (int i = 0; i < s["steps"].get<int>(); ++i) {
     at::Tensor t = at::randint(0, 256, {micro, g.seq_len + 1}, at::kLong);
@@ -190,8 +208,8 @@ int run_offload(const BenchArgs& args, const std::string& self) {
   std::vector<double> mem_t, off_t, io_t, step_ratio;
   json mem_j, off_j;
   for (int r = 0; r < (args.quick ? 1 : 2); ++r) {
-    auto mem = run_part(self, gpt_spec_json(d, layers, false, dir, steps, args.quick), nullptr);
-    auto off = run_part(self, gpt_spec_json(d, layers, true, dir, steps, args.quick), nullptr);
+    auto mem = run_part(self, gpt_spec_json(d, layers, "none", dir, steps, args.quick), nullptr);
+    auto off = run_part(self, gpt_spec_json(d, layers, "optimizer", dir, steps, args.quick), nullptr);
     TS_CHECK(mem.ok && off.ok, "bench offload: a GPT run failed");
     auto med_after_first = [](const json& j) {
       std::vector<double> v = j["step_s"].get<std::vector<double>>();
@@ -227,15 +245,15 @@ int run_offload(const BenchArgs& args, const std::string& self) {
 
   // 3. The largest GPT (d_model d, layers searched) that trains within one memory budget.
   if (!args.quick) {
-    const int64_t budget = 2LL << 30;
+    const int64_t budget = 1LL << 30;
     MemoryCgroup cg(budget + (256LL << 20));  // the cgroup kills what the RSS check would refuse anyway
     report.machine()["memory_budget"] = budget;
     report.machine()["budget_enforced_by"] = cg.available() ? "cgroup " + cg.dir() + " and peak RSS" : "peak RSS";
     for (bool offload : {false, true}) {
       auto fits = [&](int64_t l) {
-        auto r = run_part(self, gpt_spec_json(d, l, offload, dir, 2, false), &cg);
+        auto r = run_part(self, gpt_spec_json(d, l, offload ? "all" : "none", dir, 2, false), &cg);
         const bool ok = r.ok && r.j["peak_rss"].get<double>() <= static_cast<double>(budget);
-        std::printf("  %s, %lld layers: %s%s\n", offload ? "offloaded" : "in memory", static_cast<long long>(l),
+        std::printf("  %s, %lld layers: %s%s\n", offload ? "ZeRO-3, optimizer and parameters offloaded" : "ZeRO-1 in memory", static_cast<long long>(l),
                     ok ? "trains" : "does not fit",
                     r.ok ? concat(" (peak RSS ", r.j["peak_rss"].get<int64_t>() / 1000000, " MB)").c_str() : "");
         std::fflush(stdout);

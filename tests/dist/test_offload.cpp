@@ -41,12 +41,16 @@ std::string shared_dir(const std::string& name) {
   return d.string();
 }
 
-nlohmann::json config(int stage, bool bf16, const std::string& nvme, bool pipelined) {
+nlohmann::json config(int stage, bool bf16, const std::string& nvme, bool pipelined, bool params = false) {
   nlohmann::json zero = {{"stage", stage}, {"stage3_param_persistence_threshold", 0}, {"reduce_bucket_size", 20000},
                          {"sub_group_size", 7000}};
   if (!nvme.empty()) {
     zero["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", nvme}, {"buffer_count", 3},
                                  {"pipeline_read", pipelined}, {"pipeline_write", pipelined}};
+  }
+  if (params) {  // buffers of 10000 elements: the larger layers' shards are read in pieces
+    zero["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme}, {"buffer_count", 3},
+                             {"buffer_size", 10000}, {"max_in_cpu", 0}};
   }
   nlohmann::json j = {{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 2},
                       {"gradient_clipping", 1.0},
@@ -105,11 +109,35 @@ TEST(Offload, OptimizerStateOnDiskTrainsBitIdenticallyToMemory) {
   if (world()->rank() == 0) fs::remove_all(dir);
 }
 
+TEST(Offload, ParametersOnDiskTrainBitIdenticallyToMemory) {
+  // ZeRO-3 with offload_param (and the optimizer state on disk or in memory): the idle shards
+  // live in the swap file; fp32 training gets a separate fp32 master.
+  const std::string dir = shared_dir("params");
+  for (bool bf16 : {false, true})
+    for (bool opt_on_disk : {false, true}) {
+      SCOPED_TRACE(testing::Message() << (bf16 ? "bf16" : "fp32") << (opt_on_disk ? ", optimizer on disk" : ""));
+      auto mem = make(config(3, bf16, "", false));
+      nlohmann::json cfg = config(3, bf16, opt_on_disk ? dir : "", true, /*params=*/true);
+      if (!opt_on_disk) cfg["zero_optimization"]["offload_param"]["nvme_path"] = dir;
+      auto off = make(cfg);
+      EXPECT_EQ(train(*mem, 0, 4), train(*off, 0, 4));  // bit for bit
+      expect_same_params(*mem, *off);
+      // Only the pool's buffers hold parameter shards in RAM: stage 3 with every layer offloaded.
+      const int64_t buffer = 10000 * (bf16 ? 2 : 4);  // 3 buffers of 10000 elements, rounded up to the alignment
+      EXPECT_GE(off->memory().params, 3 * buffer);
+      EXPECT_LE(off->memory().params, 3 * (buffer + 4096));
+      EXPECT_GT(off->memory().offloaded, 0);
+      EXPECT_TRUE(fs::exists(dir + "/torchspeed-params-rank" + std::to_string(world()->rank()) + ".swap"));
+    }
+  world()->barrier();
+  if (world()->rank() == 0) fs::remove_all(dir);
+}
+
 TEST(Offload, AnOffloadedRunResumesBitExactlyFromItsCheckpoint) {
   const std::string dir = shared_dir("resume");
   for (int stage : {1, 3}) {
     SCOPED_TRACE(testing::Message() << "stage " << stage);
-    auto cfg = config(stage, /*bf16=*/true, dir + "/swap", true);
+    auto cfg = config(stage, /*bf16=*/true, dir + "/swap", true, /*params=*/stage == 3);
     if (world()->rank() == 0) fs::create_directories(dir + "/swap");
     world()->barrier();
     std::vector<double> straight;

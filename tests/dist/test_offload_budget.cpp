@@ -1,12 +1,12 @@
-// Training whose model states are over 3x the memory each process may use: a GPT of ~150M
+// Training whose model states are over 3x the memory each process may use: a GPT of ~200M
 // parameters in bf16 (model states = parameters 2 + gradients 2 + fp32 master 4 + moments 8
 // bytes per parameter, what one in-memory process holds) under a budget of a third of that on
 // top of the process's memory before the model exists. The budget is enforced by a memory
 // cgroup the process moves into (v2 memory.max or v1 memory.limit_in_bytes: new memory is charged
 // there, and going over it is an OOM kill) where the machine allows one, and the peak RSS over the
 // baseline is asserted in every case. Then the same run in memory, outside the cgroup: losses and
-// final parameters bit-identical. One ZeRO stage per process (OffloadBudget.Stage1/2/3), at
-// dp 1 and 2.
+// final parameters bit-identical. One ZeRO stage per process (OffloadBudget.Stage1/2/3, and 3
+// with the parameters offloaded too), at dp 1 and 2.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -37,7 +37,7 @@ torchspeed::models::GPTConfig gpt() {
   torchspeed::models::GPTConfig g;
   g.seq_len = 32;
   g.d_model = 512;
-  g.n_layer = 48;
+  g.n_layer = 64;
   g.n_head = 8;
   return g;
 }
@@ -55,13 +55,17 @@ torchspeed::nn::StackSpec bf16_spec() {
   return spec;
 }
 
-nlohmann::json config(int stage, const std::string& nvme) {
+nlohmann::json config(int stage, const std::string& nvme, bool params) {
   nlohmann::json zero = {{"stage", stage}, {"reduce_bucket_size", 1000000}, {"sub_group_size", 500000},
                          {"stage3_param_persistence_threshold", 0}, {"stage3_prefetch_bucket_size", 0},
                          {"overlap_comm", false}};
   if (!nvme.empty()) {
     zero["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", nvme}, {"buffer_count", 3},
                                  {"pipeline_read", true}, {"pipeline_write", true}};
+  }
+  if (params && !nvme.empty()) {
+    zero["offload_param"] = {{"device", "nvme"}, {"nvme_path", nvme}, {"buffer_count", 4},
+                             {"buffer_size", 4000000}, {"max_in_cpu", 0}};
   }
   return {{"train_micro_batch_size_per_gpu", 1}, {"bf16", {{"enabled", true}}},
           {"data_types", {{"grad_accum_dtype", "bf16"}}}, {"gradient_clipping", 1.0},
@@ -73,11 +77,11 @@ struct Run {
   std::vector<double> losses;
 };
 
-Run train(int stage, const std::string& nvme) {
+Run train(int stage, const std::string& nvme, bool params) {
   Run r;
   auto spec = bf16_spec();
   auto stack = torchspeed::nn::build(spec);
-  r.engine = torchspeed::initialize(ts_test::dp_groups(), stack, ts_test::parse_config(config(stage, nvme)));
+  r.engine = torchspeed::initialize(ts_test::dp_groups(), stack, ts_test::parse_config(config(stage, nvme, params)));
   auto& e = r.engine;
   for (int s = 0; s < 3; ++s) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(10 * s + world()->rank());
@@ -89,7 +93,7 @@ Run train(int stage, const std::string& nvme) {
   return r;
 }
 
-void run_stage(int stage) {
+void run_stage(int stage, bool params = false) {
   at::Tensor pid = at::full({1}, static_cast<int64_t>(::getpid()), at::kLong);
   world()->broadcast(pid, 0);
   const std::string dir = (fs::temp_directory_path() / ("ts-offload-budget-" + std::to_string(pid.item<int64_t>()))).string();
@@ -108,20 +112,20 @@ void run_stage(int stage) {
     torchspeed::MemoryCgroup cg(budget);
     const bool joined = cg.join(::getpid());
     enforced = joined ? "cgroup " + cg.dir() + " and peak RSS" : "peak RSS only (no memory cgroup here)";
-    off = train(stage, dir);
+    off = train(stage, dir, params);
     peak = status_kb("VmHWM") * 1024 - baseline;  // before anything gathers the whole model to compare
     if (joined) {
       ASSERT_TRUE(cg.leave(::getpid()));  // the in-memory run below needs all of its states
     }
   }
-  torchspeed::log::info("ZeRO-", stage, " dp ", world()->size(), ": ", n, " parameters, model states ", states / 1000000,
+  torchspeed::log::info("ZeRO-", stage, params ? " with parameter offload" : "", " dp ", world()->size(), ": ", n, " parameters, model states ", states / 1000000,
                         " MB, budget ", budget / 1000000, " MB (", enforced, "), offloaded run used ", peak / 1000000,
                         " MB over its baseline of ", baseline / 1000000, " MB");
   EXPECT_GE(states, 3 * budget);
   EXPECT_LE(peak, budget) << "the offloaded run went over its memory budget";
   const auto off_params = off.engine->master_params();
   off.engine.reset();
-  Run mem = train(stage, "");
+  Run mem = train(stage, "", false);
   EXPECT_EQ(off.losses, mem.losses);  // bit for bit
   const auto mem_params = mem.engine->master_params();
   ASSERT_EQ(off_params.size(), mem_params.size());
@@ -135,3 +139,4 @@ void run_stage(int stage) {
 TEST(OffloadBudget, Stage1) { run_stage(1); }
 TEST(OffloadBudget, Stage2) { run_stage(2); }
 TEST(OffloadBudget, Stage3) { run_stage(3); }
+TEST(OffloadBudget, Stage3WithParameters) { run_stage(3, /*params=*/true); }

@@ -186,8 +186,9 @@ TEST(Config, TypeAndRangeErrorsNameTheJsonPath) {
                "zero_optimization.offload_param.nvme_path: is required when device is \"nvme\"");
   expect_error(with({{"zero_optimization", {{"stage", 1}, {"offload_param", {{"device", "cpu"}}}}}}),
                "parameter offload needs ZeRO stage 3");
-  expect_error(with({{"zero_optimization", {{"stage", 3}, {"offload_param", {{"device", "nvme"}, {"nvme_path", "/x"}}}}}}),
-               "zero_optimization.offload_param.device: parameter offload to NVMe is not available yet");
+  expect_error(with({{"zero_optimization", {{"stage", 3}, {"offload_param",
+                       {{"device", "nvme"}, {"nvme_path", "/x"}, {"buffer_count", 1}}}}}}),
+               "zero_optimization.offload_param.buffer_count: must be at least 2");
   expect_error(with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", 0.3}}}}}}),
                "zero_optimization.offload_optimizer.ratio: a partial offload");
   expect_error(with({{"zero_optimization", {{"stage", 2}, {"offload_optimizer",

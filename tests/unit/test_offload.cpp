@@ -19,6 +19,7 @@
 #include "test_util.h"
 #include "torchspeed/offload/aio.h"
 #include "torchspeed/offload/optimizer_swapper.h"
+#include "torchspeed/offload/param_swapper.h"
 
 namespace fs = std::filesystem;
 using torchspeed::offload::AioOptions;
@@ -173,5 +174,44 @@ TEST(Offload, TheSwapperKeepsEveryPieceWhateverThePipelining) {
         EXPECT_EQ(st.bytes_read, 3 * s.offloaded_bytes());
         EXPECT_EQ(st.bytes_written, 4 * s.offloaded_bytes());
       }
+  fs::remove_all(dir);
+}
+
+TEST(Offload, TheParameterSwapperReturnsTheLastWrittenShardPrefetchedOrInPieces) {
+  const std::string dir = temp_dir("params");
+  using torchspeed::offload::ParamSwapper;
+  using torchspeed::offload::ParamSwapperOptions;
+  // Unit 0 stays in RAM (max_in_cpu); unit 2 is larger than a buffer (read in pieces); unit 3 has
+  // no shard (a persistent unit).
+  const std::vector<int64_t> sizes = {4000, 10000, 50000, 0, 6000, 12000};
+  ParamSwapper s(ParamSwapperOptions().path(dir + "/p.swap").buffer_count(3).buffer_bytes(16384)
+                     .max_in_cpu_bytes(4000).aio(AioOptions().block_size(4096).queue_depth(4)));
+  s.open(sizes);
+  EXPECT_FALSE(s.holds(0));
+  EXPECT_TRUE(s.holds(1));
+  EXPECT_FALSE(s.holds(3));
+  EXPECT_EQ(s.resident_bytes(), 3 * 16384);
+  std::vector<std::vector<char>> data(sizes.size());
+  auto put = [&](size_t u, uint32_t seed) {
+    data[u].resize(static_cast<size_t>(sizes[u]));
+    fill(data[u].data(), data[u].size(), seed);
+    s.write(u, data[u].data());
+  };
+  auto check = [&](size_t u) {
+    std::vector<char> got(static_cast<size_t>(sizes[u]), 0);
+    s.read(u, got.data());
+    EXPECT_EQ(got, data[u]) << "unit " << u;
+  };
+  for (size_t u : {1, 2, 4, 5}) put(u, static_cast<uint32_t>(u));
+  for (size_t u : {1, 2, 4, 5}) check(u);  // read right behind the writes (waits for them)
+  // Prefetch ahead as the gatherer does: the pool keeps one buffer free, so only two fit.
+  EXPECT_TRUE(s.prefetch(1));
+  EXPECT_TRUE(s.prefetch(2));  // too large to prefetch: fine, read in pieces later
+  EXPECT_TRUE(s.prefetch(4));
+  EXPECT_FALSE(s.prefetch(5));
+  put(4, 44);  // a write after its prefetch: the prefetched copy is stale and dropped
+  for (size_t u : {1, 2, 4, 5}) check(u);
+  EXPECT_EQ(s.prefetch_hits(), 1);  // unit 1
+  s.flush();
   fs::remove_all(dir);
 }

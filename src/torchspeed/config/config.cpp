@@ -166,9 +166,8 @@ void read_offload(JsonReader& r, OffloadConfig& c, bool optimizer) {
   } else {
     c.buffer_size = r.get_int("buffer_size", 100000000, 1);
     c.max_in_cpu = r.get_int("max_in_cpu", 1000000000, 0);
-    if (c.device == "nvme") {
-      r.error("device", "parameter offload to NVMe is not available yet (optimizer state offload is: "
-                        "offload_optimizer.device \"nvme\"); use \"cpu\" or \"none\"");
+    if (c.device == "nvme" && c.buffer_count < 2) {
+      r.error("buffer_count", "must be at least 2 with \"nvme\" (one buffer reading ahead, one for the rest)");
     }
   }
   if (c.device == "nvme" && c.nvme_path.empty()) r.error("nvme_path", "is required when device is \"nvme\"");

@@ -8,6 +8,7 @@
 #include <chrono>
 
 #include "torchspeed/offload/optimizer_swapper.h"
+#include "torchspeed/offload/param_swapper.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 #include "torchspeed/tensor_parallel/layers.h"
@@ -59,7 +60,11 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   // Pipeline stages reduce after the tied weights' gradients are summed (ReduceTiedGrads), so
   // buckets cannot start during the boundary backward.
   if (plan_.stages > 1) zo.reduce_in_backward(false);
+  if (config_.zero.offload_optimizer.device == "nvme" || config_.zero.offload_param.device == "nvme") {
+    offload::return_freed_memory_promptly();
+  }
   zo.state_store(offload::make_optimizer_store(config_, groups_.world->rank()));
+  zo.param_store(offload::make_param_store(config_, groups_.world->rank(), precision_ == precision::Precision::kBF16 ? 2 : 4));
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
   // A tied weight's later copy, and a parameter every tensor-parallel rank holds whole, count
   // once in the global norm.

@@ -9,6 +9,7 @@
 #include "torchspeed/offload/aio.h"
 
 #include <fcntl.h>
+#include <malloc.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -83,6 +84,8 @@ DirectIoAlignment direct_io_alignment(const std::string& dir) {
   ::unlink(probe.c_str());
   return a;
 }
+
+void return_freed_memory_promptly() { ::mallopt(M_MMAP_THRESHOLD, 1 << 20); }
 
 // --- the file ------------------------------------------------------------------------------------
 

@@ -52,6 +52,12 @@ struct DirectIoAlignment {
 };
 DirectIoAlignment direct_io_alignment(const std::string& dir);
 
+// Makes glibc map allocations of 1 MiB and more on their own (mmap), so that freed tensors
+// return to the system at once instead of staying in the heap under its dynamic mmap threshold
+// (measured: ~50 MB of RSS above the live tensors of a 150M-parameter ZeRO-3 run). Process-wide;
+// the engine calls it when a config offloads, where memory is the point.
+void return_freed_memory_promptly();
+
 class SwapFile {
  public:
   // Creates `path` (replacing what is there), takes an exclusive lock on it, and preallocates

@@ -50,6 +50,32 @@ class PartitionStore {
 
 using PartitionStorePtr = std::shared_ptr<PartitionStore>;
 
+// Where ZeRO stage 3 keeps this rank's parameter shards while their layers are not in use
+// (DeepSpeed's offload_param): the shard of unit i is read back before the unit is gathered and
+// written after the step updates it. Units are numbered in stack order, which is also the order
+// the forward reads them (and backward, reversed), so prefetch() can read ahead without a trace.
+class ShardStore {
+ public:
+  virtual ~ShardStore() = default;
+  // Called once with every stage-3 unit's shard size in bytes (0: the unit stays in RAM).
+  virtual void open(std::vector<int64_t> shard_bytes) = 0;
+  virtual bool holds(size_t unit) const = 0;
+  // Starts reading a unit's shard ahead of its use where the buffer pool has room; false when
+  // it has none (the read then happens in read()).
+  virtual bool prefetch(size_t unit) = 0;
+  // The unit's shard into dst (its bytes), from a prefetch or read now in buffer-sized pieces.
+  virtual void read(size_t unit, void* dst) = 0;
+  // Stores the unit's shard from src; src may be reused when this returns.
+  virtual void write(size_t unit, const void* src) = 0;
+  // Until every write has reached the file.
+  virtual void flush() = 0;
+  virtual int64_t resident_bytes() const = 0;
+  virtual int64_t offloaded_bytes() const = 0;
+  virtual std::string describe() const = 0;
+};
+
+using ShardStorePtr = std::shared_ptr<ShardStore>;
+
 // Everything in RAM: one fp32 tensor per kind.
 class MemoryStore final : public PartitionStore {
  public:

@@ -43,8 +43,13 @@ PartitionedGradients::PartitionedGradients(Stage stage, comm::CommunicatorPtr dp
     : ZeroOptimizer(stage, std::move(dp), std::move(options), std::move(optimizer), /*sharded=*/true),
       reduce_scatter_(options_.reduce_scatter()) {}
 
-void PartitionedGradients::allocate(Unit&) {
+void PartitionedGradients::allocate(Unit&) {}
+
+// Allocated at its first use, not with the units: at construction the model's own parameters
+// still exist, and the init peak would otherwise hold them and the partition at once.
+at::Tensor& PartitionedGradients::grad_part() {
   if (!grad_part_.defined()) grad_part_ = at::zeros({part_numel_}, at::TensorOptions().dtype(accum_dtype_));
+  return grad_part_;
 }
 
 void PartitionedGradients::on_gradient(size_t ui, size_t pi, bool first) {
@@ -80,7 +85,7 @@ void PartitionedGradients::finalize(size_t ui) {
   u.work->wait();
   u.work.reset();
   after_reduce(u.recv);
-  at::Tensor part = grad_part_.narrow(0, u.part_offset, u.part_size);
+  at::Tensor part = grad_part().narrow(0, u.part_offset, u.part_size);
   if (u.part_fresh) part.copy_(u.recv); else part.add_(u.recv.to(part.scalar_type()));
   u.part_fresh = false;
   transient_.add(-u.grad.nbytes() - (reduce_scatter_ ? u.recv.nbytes() : 0) -
@@ -90,15 +95,17 @@ void PartitionedGradients::finalize(size_t ui) {
   u.comm_buf = at::Tensor();
 }
 
-at::Tensor PartitionedGradients::owned_grad(Unit& u) { return grad_part_.narrow(0, u.part_offset, u.part_size); }
+at::Tensor PartitionedGradients::owned_grad(Unit& u) { return grad_part().narrow(0, u.part_offset, u.part_size); }
 
-at::Tensor PartitionedGradients::update_grad(Unit& u) { return grad_part_.narrow(0, u.part_offset, u.part_size); }
+at::Tensor PartitionedGradients::update_grad(Unit& u) { return grad_part().narrow(0, u.part_offset, u.part_size); }
 
 void PartitionedGradients::reset_grads() {
   for (auto& u : units_) u->part_fresh = true;  // next reductions overwrite: no memset needed
 }
 
-int64_t PartitionedGradients::gradient_bytes() const { return grad_part_.nbytes(); }
+int64_t PartitionedGradients::gradient_bytes() const {
+  return part_numel_ * static_cast<int64_t>(c10::elementSize(accum_dtype_));  // allocated or to be
+}
 
 // --- stage 3: the gatherer ---------------------------------------------------------------------
 
@@ -106,7 +113,7 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
  public:
   ParameterGatherer(std::vector<std::unique_ptr<Unit>>& units, std::vector<std::vector<size_t>> layer_units,
                     comm::CommunicatorPtr dp, const ZeroOptions& options, TransientBytes& transient, Timings& timings)
-      : units_(units), layer_units_(std::move(layer_units)), dp_(std::move(dp)),
+      : units_(units), layer_units_(std::move(layer_units)), dp_(std::move(dp)), shards_(options.param_store()),
         prefetch_numel_(options.prefetch_bucket_numel()), max_live_(options.max_live_parameters()),
         transient_(transient), timings_(timings) {}
 
@@ -123,6 +130,7 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
   void before_forward(int layer) override {
     for (size_t ui : layer_units_.at(static_cast<size_t>(layer))) ensure_gathered(*units_[ui]);
     prefetch_after(layer, +1);
+    read_ahead(layer, +1);
   }
 
   at::Tensor after_forward(int layer, const at::Tensor& output, bool grad_enabled) override;
@@ -130,6 +138,7 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
   void gather_for_backward(int layer) {
     for (size_t ui : layer_units_.at(static_cast<size_t>(layer))) ensure_gathered(*units_[ui]);
     prefetch_after(layer, -1);
+    read_ahead(layer, -1);
   }
 
   void release(Unit& u) {
@@ -147,7 +156,26 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
     if (u.gathered || u.gather_work) return;
     resize_storage(u.full, u.padded * static_cast<int64_t>(u.full.element_size()));
     transient_.add(u.full.nbytes());
+    if (!u.shard_param.defined()) {  // offloaded: the shard comes from its file into its slot
+      at::Tensor slot = u.full.narrow(0, dp_->rank() * u.shard, u.shard);
+      shards_->read(u.index, slot.data_ptr());
+      u.gather_work = dp_->all_gather_async(slot, u.full);
+      return;
+    }
     u.gather_work = dp_->all_gather_async(u.shard_param, u.full);
+  }
+
+  // Offloaded shards of the next layers in stack order (the order they run: no trace needed)
+  // are read from disk while this one computes, as far as the store's buffer pool allows.
+  void read_ahead(int layer, int direction) {
+    if (!shards_) return;
+    for (int l = layer + direction; l >= 0 && l < static_cast<int>(layer_units_.size()); l += direction) {
+      for (size_t ui : layer_units_[static_cast<size_t>(l)]) {
+        const Unit& u = *units_[ui];
+        if (u.persistent || u.gathered || u.gather_work || u.shard_param.defined()) continue;
+        if (!shards_->prefetch(ui)) return;
+      }
+    }
   }
 
   void ensure_gathered(Unit& u) {
@@ -181,6 +209,7 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
   std::vector<std::unique_ptr<Unit>>& units_;
   std::vector<std::vector<size_t>> layer_units_;  // units each layer needs
   comm::CommunicatorPtr dp_;
+  ShardStorePtr shards_;
   int64_t prefetch_numel_, max_live_;
   TransientBytes& transient_;
   Timings& timings_;
@@ -228,7 +257,8 @@ at::Tensor ParameterGatherer::after_forward(int layer, const at::Tensor& output,
 
 PartitionedParameters::PartitionedParameters(std::vector<NamedParam> params, int num_layers,
                                              comm::CommunicatorPtr dp, ZeroOptions options, OptimizerSpec optimizer)
-    : PartitionedGradients(Stage::k3, std::move(dp), std::move(options), std::move(optimizer)) {
+    : PartitionedGradients(Stage::k3, std::move(dp), std::move(options), std::move(optimizer)),
+      shards_(options_.param_store()) {
   auto units = units_by_layer(std::move(params), num_layers);
   // A layer needs every unit holding a parameter it uses (tied weights: a later layer too).
   std::vector<std::vector<size_t>> layer_units(static_cast<size_t>(num_layers));
@@ -257,9 +287,36 @@ bool PartitionedParameters::keeps_whole(const Unit& u) const {
 void PartitionedParameters::allocate(Unit& u) {
   PartitionedGradients::allocate(u);
   if (u.persistent) return;
-  u.shard_param = u.full.narrow(0, dp_rank_ * u.shard, u.shard).clone();
+  if (shards_ && !shards_open_) {  // every unit's size is known by the first allocate
+    std::vector<int64_t> bytes;
+    const auto es = static_cast<int64_t>(c10::elementSize(storage_dtype()));
+    for (const auto& x : units_) bytes.push_back(x->persistent ? 0 : x->shard * es);
+    shards_->open(std::move(bytes));
+    shards_open_ = true;
+  }
+  at::Tensor mine = u.full.narrow(0, dp_rank_ * u.shard, u.shard);
+  if (offloaded(u)) {
+    shards_->write(u.index, mine.data_ptr());
+  } else {
+    u.shard_param = mine.clone();
+  }
   transient_.add(u.full.nbytes());
   gatherer_->release(u);
+}
+
+bool PartitionedParameters::offloaded(const Unit& u) const {
+  return shards_ && !u.persistent && shards_->holds(u.index);
+}
+
+at::Tensor PartitionedParameters::begin_update(Unit& u) {
+  // An offloaded shard is written whole by the step (the masters are separate): a staging
+  // buffer for one unit at a time, stored in end_update.
+  if (offloaded(u)) return at::empty({u.shard}, at::TensorOptions().dtype(u.full.scalar_type()));
+  return update_dest(u);
+}
+
+void PartitionedParameters::end_update(Unit& u, const at::Tensor& dest) {
+  if (offloaded(u)) shards_->write(u.index, dest.data_ptr());
 }
 
 void PartitionedParameters::on_unit_complete(size_t ui) {

@@ -192,10 +192,11 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
     }
     put(pos, hi, u->segments.empty() ? 0 : u->segments.back().group);
     u->persistent = keeps_whole(*u);
+    u->index = units_.size();
     units_.push_back(std::move(u));
   }
 
-  has_master_ = options_.precision() != precision::Precision::kFP32;
+  has_master_ = separate_master();
   ::malloc_trim(0);  // the layers' construction temporaries
   open_store();
   register_hooks();
@@ -468,7 +469,7 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   }
   const float grad_scale = static_cast<float>(clip_coef / loss_scale);
   ++step_count_;
-  const optim::ParamOut out_kind = param_out(/*master_is_param=*/true);
+  const optim::ParamOut out_kind = param_out(/*master_is_param=*/!has_master_);
   const double base_lr = opt_.type == "SGD" ? opt_.sgd.lr : opt_.adam.lr;
   const size_t km = has_master_ ? 1 : 0;  // index of the first moment in kinds_
   size_t cached = SIZE_MAX;
@@ -478,8 +479,9 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
         const Piece& s = pieces_[i];
         Unit& u = *units_[s.unit];
         if (cached != s.unit) {
+          if (cached != SIZE_MAX) end_update(*units_[cached], dest);
           grad = update_grad(u);
-          dest = update_dest(u);  // the whole unit or this rank's shard of it
+          dest = begin_update(u);  // the whole unit or this rank's shard of it
           cached = s.unit;
         }
         ++timings_.optimizer_sub_groups;
@@ -507,6 +509,7 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
         }
       },
       /*read=*/true, /*write=*/true);
+  if (cached != SIZE_MAX) end_update(*units_[cached], dest);
   timings_.optimizer_s += seconds_since(t1);
 
   auto t2 = Clock::now();
@@ -539,13 +542,17 @@ MemoryReport ZeroOptimizer::memory() const {
     if (u->shard_param.defined()) r.params += u->shard_param.nbytes();
   }
   r.gradients = gradient_bytes();
+  if (const auto& ps = options_.param_store()) {
+    r.params += ps->resident_bytes();  // its buffer pool
+    r.offloaded += ps->offloaded_bytes();
+  }
   const int64_t resident = store_->resident_bytes();
   if (store_->resident(0).defined()) {  // whole tensors in RAM
     if (has_master_) r.master = part_numel_ * static_cast<int64_t>(sizeof(float));
     r.optimizer_state = resident - r.master;
   } else {
     r.optimizer_state = resident;  // the buffer pool
-    r.offloaded = store_->offloaded_bytes();
+    r.offloaded += store_->offloaded_bytes();
   }
   r.peak_transient = transient_.peak;
   return r;
@@ -631,8 +638,9 @@ void ZeroOptimizer::import_partition(std::vector<std::pair<std::string, at::Tens
   master = master.contiguous();
   for (auto& up : units_) {
     Unit& u = *up;
-    at::Tensor dest = update_dest(u);
+    at::Tensor dest = begin_update(u);
     optim::write_params(master.data_ptr<float>() + u.part_offset, u.part_size, dest.data_ptr(), out_kind);
+    end_update(u, dest);
   }
   gather_updated();
   zero_grad();

@@ -71,6 +71,9 @@ struct ZeroOptions {
   TORCH_ARG(comm::CommunicatorPtr, norm_group) = nullptr;
   // Where the optimizer partition (masters, moments) lives; null: a MemoryStore (RAM).
   TORCH_ARG(PartitionStorePtr, state_store) = nullptr;
+  // Stage 3: where idle parameter shards live; null: RAM. With one, the fp32 masters are a
+  // separate copy (in the state store) also for fp32 training.
+  TORCH_ARG(ShardStorePtr, param_store) = nullptr;
 };
 
 // Hyperparameters of one parameter group; unset fields take the optimizer's own.
@@ -224,6 +227,13 @@ class ZeroOptimizer {
   // Parameters whose layer is not gathered right now (stage 3), before backward and after it.
   virtual void release_idle() {}
   virtual void before_import() {}
+  // Where the step writes a unit's updated parameters: update_dest(u), or a staging buffer
+  // the strategy stores in end_update (offloaded stage 3 shards).
+  virtual at::Tensor begin_update(detail::Unit& u) { return update_dest(u); }
+  virtual void end_update(detail::Unit& u, const at::Tensor& dest) {}
+  // Whether the fp32 masters are a copy separate from the parameters (always for bf16/fp16).
+  virtual bool separate_master() const { return options_.precision() != precision::Precision::kFP32; }
+  at::Tensor update_dest(detail::Unit& u);
 
   // Gradient buffer of a unit in the communication dtype, scaled for DeepSpeed's averaging;
   // sets `op`. Tracks its bytes when it is a separate buffer.
@@ -260,7 +270,6 @@ class ZeroOptimizer {
   // How updated masters are written to the model's parameters; fp32 training updates them in
   // place (kNone) unless the masters are a separate copy (restoring a checkpoint).
   optim::ParamOut param_out(bool master_is_param) const;
-  at::Tensor update_dest(detail::Unit& u);
   void gather_updated();
 
   // A kind's whole [part] tensor: the resident one (copied when `copy`), or read from the store.

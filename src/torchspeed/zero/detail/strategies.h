@@ -50,6 +50,7 @@ class PartitionedGradients : public ZeroOptimizer {
   void reset_grads() override;
   int64_t gradient_bytes() const override;
 
+  at::Tensor& grad_part();
   at::Tensor grad_part_;  // [part] in the accumulation dtype: this rank's gradient partition
   bool reduce_scatter_;   // else all-reduce the bucket and keep this rank's shard
 };
@@ -70,8 +71,14 @@ class PartitionedParameters final : public PartitionedGradients {
   void on_unit_complete(size_t unit) override;
   void release_idle() override;
   void before_import() override;
+  at::Tensor begin_update(Unit& u) override;
+  void end_update(Unit& u, const at::Tensor& dest) override;
+  bool separate_master() const override { return PartitionedGradients::separate_master() || shards_; }
 
  private:
+  bool offloaded(const Unit& u) const;
+  ShardStorePtr shards_;  // offload_param: idle shards on disk
+  bool shards_open_ = false;
   std::shared_ptr<ParameterGatherer> gatherer_;
 };
 

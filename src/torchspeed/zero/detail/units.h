@@ -31,6 +31,7 @@ struct Segment {
 };
 
 struct Unit {
+  size_t index = 0;  // in the optimizer's units (stack order)
   std::vector<UnitParam> params;
   int64_t numel = 0, padded = 0, shard = 0;
   int64_t part_offset = 0, part_size = 0;  // this unit's range in the partition buffers
