@@ -168,6 +168,7 @@ TEST(Offload, TheSwapperKeepsEveryPieceWhateverThePipelining) {
         }
         // Groups: [1000+1], [2500+17], [3000], [640+999+5] -> the largest record is 3 x 3000 floats,
         // padded; the pool is min(buffers, 4 groups) of them.
+        s.flush();
         const int64_t record = 3 * ((3000 * 4 + 4095) / 4096 * 4096);
         EXPECT_EQ(s.resident_bytes(), std::min(buffers, 4) * record);
         const auto st = s.stats();

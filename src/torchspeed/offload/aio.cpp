@@ -85,6 +85,11 @@ DirectIoAlignment direct_io_alignment(const std::string& dir) {
   return a;
 }
 
+DirectIoAlignment direct_io_alignment_for(const std::string& file) {
+  const size_t end = file.find_last_of('/');
+  return direct_io_alignment(end == std::string::npos ? "." : end == 0 ? "/" : file.substr(0, end));
+}
+
 void return_freed_memory_promptly() { ::mallopt(M_MMAP_THRESHOLD, 1 << 20); }
 
 // --- the file ------------------------------------------------------------------------------------
@@ -103,8 +108,9 @@ struct SwapFile::Ring {
 SwapFile::SwapFile(std::string path, int64_t bytes, AioOptions options)
     : path_(std::move(path)), bytes_(bytes), options_(options) {
   TS_CHECK(options_.block_size() > 0 && options_.queue_depth() > 0, "aio.block_size and aio.queue_depth must be positive");
-  const std::string dir = path_.substr(0, path_.find_last_of('/'));
-  align_ = direct_io_alignment(dir.empty() ? "." : dir);
+  const size_t end = path_.find_last_of('/');
+  const std::string dir = end == std::string::npos ? "." : end == 0 ? "/" : path_.substr(0, end);
+  align_ = direct_io_alignment(dir);
   TS_CHECK(bytes_ % static_cast<int64_t>(align_.offset) == 0, "swap file size ", bytes_, " is not a multiple of ",
            align_.offset);
   TS_CHECK(options_.block_size() % static_cast<int64_t>(align_.offset) == 0, "aio.block_size ", options_.block_size(),

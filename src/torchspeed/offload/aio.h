@@ -51,6 +51,9 @@ struct DirectIoAlignment {
   bool direct = true;  // false: the filesystem has no direct I/O (tmpfs before Linux 6.6)
 };
 DirectIoAlignment direct_io_alignment(const std::string& dir);
+// The same for the directory a file will be created in.
+DirectIoAlignment direct_io_alignment_for(const std::string& file);
+inline int64_t align_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Makes glibc map allocations of 1 MiB and more on their own (mmap), so that freed tensors
 // return to the system at once instead of staying in the heap under its dynamic mmap threshold

@@ -5,9 +5,11 @@
 // elements; a group's record is each kind's elements back to back, each padded to the
 // direct-I/O alignment, so one group is one contiguous transfer. The step streams the groups
 // through buffer_count aligned buffers, each one record: with pipeline_read, group i+1 is read
-// while group i is updated; with pipeline_write, group i's write runs behind while the next
-// groups are updated, and its buffer returns to the pool when the write completes. The pool is
-// the only RAM the optimizer state costs: buffer_count x the largest record.
+// while group i is updated, and the first groups are already read during the backward that ends
+// the accumulation window (prefetch()); with pipeline_write, group i's write runs behind while
+// the next groups are updated, the last ones behind the next forward, and a buffer returns to
+// the pool when its write completes. A group is read only after its last write completed. The
+// pool is the only RAM the optimizer state costs: buffer_count x the largest record.
 //
 // Nothing is cached between steps, so the state on disk is the state: a checkpoint export reads
 // it, an import writes it, and a resumed run reads exactly what the previous one wrote.
@@ -21,23 +23,23 @@
 
 namespace torchspeed::offload {
 
-namespace {
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-}  // namespace
-
 OptimizerSwapper::OptimizerSwapper(SwapperOptions options) : options_(std::move(options)) {
   TS_CHECK(options_.buffer_count() >= 2, "zero_optimization.offload_optimizer.buffer_count must be at least 2 "
            "(one buffer being updated, one being read or written), got ", options_.buffer_count());
   TS_CHECK(options_.group_numel() > 0, "zero_optimization.sub_group_size must be positive");
 }
 
-OptimizerSwapper::~OptimizerSwapper() = default;
+OptimizerSwapper::~OptimizerSwapper() {
+  try {
+    if (file_) file_->wait_all();  // the buffers go before the file
+  } catch (...) {
+  }
+}
 
 void OptimizerSwapper::open(std::vector<std::string> kinds, int64_t part_numel, std::vector<zero::PieceRange> pieces) {
   kinds_ = std::move(kinds);
   pieces_ = std::move(pieces);
-  const size_t dir_end = options_.path().find_last_of('/');
-  const DirectIoAlignment align = direct_io_alignment(dir_end == std::string::npos ? "." : options_.path().substr(0, dir_end));
+  const DirectIoAlignment align = direct_io_alignment_for(options_.path());
   const auto a = static_cast<int64_t>(align.offset);
   groups_.clear();
   int64_t expect = 0, offset = 0, largest = 0;
@@ -53,7 +55,7 @@ void OptimizerSwapper::open(std::vector<std::string> kinds, int64_t part_numel, 
   }
   TS_INTERNAL_ASSERT(expect == part_numel, "partition pieces cover ", expect, " of ", part_numel, " elements");
   for (auto& g : groups_) {
-    g.padded_bytes = round_up(g.numel * static_cast<int64_t>(sizeof(float)), a);
+    g.padded_bytes = align_up(g.numel * static_cast<int64_t>(sizeof(float)), a);
     g.file_offset = offset;
     const int64_t record = g.padded_bytes * static_cast<int64_t>(kinds_.size());
     offset += record;
@@ -61,46 +63,84 @@ void OptimizerSwapper::open(std::vector<std::string> kinds, int64_t part_numel, 
   }
   file_ = std::make_unique<SwapFile>(options_.path(), std::max(offset, a), options_.aio());
   buffers_.clear();
+  free_.clear();
+  writing_.clear();
   const size_t n = std::min<size_t>(static_cast<size_t>(options_.buffer_count()), std::max<size_t>(groups_.size(), 1));
-  for (size_t i = 0; i < n; ++i) buffers_.emplace_back(static_cast<size_t>(largest), align.memory);
+  for (size_t i = 0; i < n; ++i) {
+    buffers_.emplace_back(static_cast<size_t>(largest), align.memory);
+    free_.push_back(static_cast<int>(i));
+  }
+  state_.assign(groups_.size(), GroupState::kIdle);
+  buf_of_.assign(groups_.size(), -1);
+  read_ticket_.assign(groups_.size(), 0);
+  write_ticket_.assign(groups_.size(), 0);
   log::debug("offload: optimizer state of ", part_numel, " elements x ", kinds_.size(), " in ", groups_.size(),
              " groups, ", describe());
+}
+
+void OptimizerSwapper::retire_oldest_write() {
+  const size_t g = writing_.front();
+  writing_.pop_front();
+  file_->wait(write_ticket_[g]);
+  free_.push_back(buf_of_[g]);
+  buf_of_[g] = -1;
+  state_[g] = GroupState::kIdle;
+}
+
+void OptimizerSwapper::reclaim_written() {
+  while (!writing_.empty() && file_->done(write_ticket_[writing_.front()])) retire_oldest_write();
+}
+
+void OptimizerSwapper::start(size_t g, bool read) {
+  if (free_.empty()) {
+    TS_INTERNAL_ASSERT(!writing_.empty(), "optimizer swap pool exhausted");
+    retire_oldest_write();
+  }
+  buf_of_[g] = free_.back();
+  free_.pop_back();
+  state_[g] = GroupState::kReading;
+  read_ticket_[g] = read ? file_->read(groups_[g].file_offset, buffers_[static_cast<size_t>(buf_of_[g])].data(),
+                                       groups_[g].padded_bytes * static_cast<int64_t>(kinds_.size()))
+                         : 0;
+}
+
+void OptimizerSwapper::flush() {
+  while (!writing_.empty()) retire_oldest_write();
+}
+
+void OptimizerSwapper::prefetch() {
+  if (!file_ || !options_.pipeline_read()) return;
+  reclaim_written();
+  for (size_t g = 0; g < groups_.size() && !free_.empty(); ++g) {
+    if (state_[g] == GroupState::kWriting) break;  // read in order, after its write
+    if (state_[g] == GroupState::kIdle) start(g, true);
+  }
 }
 
 void OptimizerSwapper::visit(const Visitor& fn, bool read, bool write) {
   TS_INTERNAL_ASSERT(file_, "OptimizerSwapper::visit before open");
   ++visits_;
   const size_t G = groups_.size();
-  std::vector<int> buf_of(G, -1);
-  std::vector<SwapFile::Ticket> rt(G, 0), wt(G, 0);
-  std::deque<int> free_bufs;
-  for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) free_bufs.push_back(b);
-  std::deque<size_t> writing;  // groups whose write is in flight, oldest first
-  auto retire_oldest_write = [&] {
-    const size_t g = writing.front();
-    writing.pop_front();
-    file_->wait(wt[g]);
-    free_bufs.push_back(buf_of[g]);
-  };
-  auto start = [&](size_t g) {
-    if (free_bufs.empty()) retire_oldest_write();
-    buf_of[g] = free_bufs.front();
-    free_bufs.pop_front();
-    if (read) rt[g] = file_->read(groups_[g].file_offset, buffers_[static_cast<size_t>(buf_of[g])].data(),
-                                  groups_[g].padded_bytes * static_cast<int64_t>(kinds_.size()));
-  };
   std::vector<float*> state(kinds_.size());
-  size_t next = 0;  // the next group to start
+  size_t ahead = 0;  // read-ahead never looks behind this
   try {
+    reclaim_written();
     for (size_t g = 0; g < G; ++g) {
-      if (next == g) start(next++);
+      while (state_[g] == GroupState::kWriting) retire_oldest_write();  // last step's write of it
+      if (state_[g] == GroupState::kIdle) start(g, read);
       // Read ahead into buffers that are free now (never waiting for a write to do so).
       if (options_.pipeline_read()) {
-        while (next < G && !free_bufs.empty()) start(next++);
+        for (ahead = std::max(ahead, g + 1); ahead < G && !free_.empty(); ++ahead) {
+          if (state_[ahead] == GroupState::kWriting) break;
+          if (state_[ahead] == GroupState::kIdle) start(ahead, read);
+        }
       }
-      if (read) file_->wait(rt[g]);
+      if (read_ticket_[g]) {  // also a prefetch this visit does not need: the buffer is about to change
+        file_->wait(read_ticket_[g]);
+        read_ticket_[g] = 0;
+      }
       const Group& gr = groups_[g];
-      char* base = static_cast<char*>(buffers_[static_cast<size_t>(buf_of[g])].data());
+      char* base = static_cast<char*>(buffers_[static_cast<size_t>(buf_of_[g])].data());
       for (size_t i = gr.first_piece; i < gr.end_piece; ++i) {
         const int64_t at = pieces_[i].begin - gr.begin;
         for (size_t k = 0; k < kinds_.size(); ++k)
@@ -108,14 +148,20 @@ void OptimizerSwapper::visit(const Visitor& fn, bool read, bool write) {
         fn(i, state.data());
       }
       if (write) {
-        wt[g] = file_->write(gr.file_offset, base, gr.padded_bytes * static_cast<int64_t>(kinds_.size()));
-        writing.push_back(g);
-        if (!options_.pipeline_write()) retire_oldest_write();
+        write_ticket_[g] = file_->write(gr.file_offset, base, gr.padded_bytes * static_cast<int64_t>(kinds_.size()));
+        state_[g] = GroupState::kWriting;
+        writing_.push_back(g);
+        if (!options_.pipeline_write()) {
+          while (state_[g] == GroupState::kWriting) retire_oldest_write();
+        }
       } else {
-        free_bufs.push_back(buf_of[g]);
+        free_.push_back(buf_of_[g]);
+        buf_of_[g] = -1;
+        state_[g] = GroupState::kIdle;
       }
     }
-    while (!writing.empty()) retire_oldest_write();
+    // With pipeline_write the last groups' writes complete behind the next forward and
+    // backward; the next visit (or a read of the group) waits for them.
   } catch (...) {
     try {
       file_->wait_all();  // no transfer may still target our buffers

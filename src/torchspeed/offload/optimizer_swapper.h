@@ -5,6 +5,7 @@
 
 #include <torch/arg.h>
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,10 +39,13 @@ class OptimizerSwapper final : public zero::PartitionStore {
 
   void open(std::vector<std::string> kinds, int64_t part_numel, std::vector<zero::PieceRange> pieces) override;
   void visit(const Visitor& fn, bool read, bool write) override;
+  void prefetch() override;
   int64_t resident_bytes() const override;
   int64_t offloaded_bytes() const override;
   std::string describe() const override;
 
+  // Until every write has completed (they otherwise finish behind the next forward).
+  void flush();
   SwapStats stats() const;
   // The RAM the pool costs for this partition: buffer_count x the largest group's record.
   int64_t pool_bytes() const { return resident_bytes(); }
@@ -53,12 +57,22 @@ class OptimizerSwapper final : public zero::PartitionStore {
     int64_t padded_bytes = 0;      // one kind's bytes, padded to the alignment
     int64_t file_offset = 0;
   };
+  enum class GroupState { kIdle, kReading, kWriting };
+  void start(size_t group, bool read);
+  void retire_oldest_write();
+  void reclaim_written();
+
   SwapperOptions options_;
   std::vector<std::string> kinds_;
   std::vector<zero::PieceRange> pieces_;
   std::vector<Group> groups_;
   std::unique_ptr<SwapFile> file_;
   std::vector<AlignedBuffer> buffers_;
+  std::vector<int> free_;            // buffers not in use
+  std::deque<size_t> writing_;       // groups whose write is in flight, oldest first
+  std::vector<GroupState> state_;    // per group
+  std::vector<int> buf_of_;          // per group: its buffer, or -1
+  std::vector<SwapFile::Ticket> read_ticket_, write_ticket_;
   int64_t visits_ = 0;
 };
 

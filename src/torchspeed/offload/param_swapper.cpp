@@ -20,10 +20,6 @@
 
 namespace torchspeed::offload {
 
-namespace {
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-}  // namespace
-
 ParamSwapper::ParamSwapper(ParamSwapperOptions options) : options_(std::move(options)) {
   TS_CHECK(options_.buffer_count() >= 2, "zero_optimization.offload_param.buffer_count must be at least 2 (one "
            "buffer reading ahead, one for everything else), got ", options_.buffer_count());
@@ -38,8 +34,7 @@ ParamSwapper::~ParamSwapper() {
 }
 
 void ParamSwapper::open(std::vector<int64_t> shard_bytes) {
-  const size_t dir_end = options_.path().find_last_of('/');
-  const DirectIoAlignment align = direct_io_alignment(dir_end == std::string::npos ? "." : options_.path().substr(0, dir_end));
+  const DirectIoAlignment align = direct_io_alignment_for(options_.path());
   const auto a = static_cast<int64_t>(align.offset);
   units_.assign(shard_bytes.size(), UnitRecord{});
   int64_t offset = 0, in_cpu = 0, largest = 0;
@@ -52,13 +47,13 @@ void ParamSwapper::open(std::vector<int64_t> shard_bytes) {
       continue;
     }
     u.held = true;
-    u.padded = round_up(u.bytes, a);
+    u.padded = align_up(u.bytes, a);
     u.offset = offset;
     offset += u.padded;
     largest = std::max(largest, u.padded);
   }
   file_ = std::make_unique<SwapFile>(options_.path(), std::max(offset, a), options_.aio());
-  buffer_bytes_ = std::min(round_up(options_.buffer_bytes(), a), std::max(largest, a));
+  buffer_bytes_ = std::min(align_up(options_.buffer_bytes(), a), std::max(largest, a));
   buffers_.clear();
   free_.clear();
   for (int64_t i = 0; i < options_.buffer_count(); ++i) {

@@ -34,6 +34,9 @@ class PartitionStore {
   // them). `write`: what fn leaves there is stored.
   using Visitor = std::function<void(size_t piece, float* const* state)>;
   virtual void visit(const Visitor& fn, bool read, bool write) = 0;
+  // A hint that the next visit reads: a store may start reading its first pieces now (called
+  // as the backward that ends an accumulation window begins).
+  virtual void prefetch() {}
 
   // The whole tensor of a kind when it is resident (MemoryStore), else undefined.
   virtual at::Tensor resident(size_t kind) { return at::Tensor(); }

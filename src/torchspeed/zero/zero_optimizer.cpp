@@ -319,6 +319,7 @@ void ZeroOptimizer::begin_backward(bool boundary) {
   // just run); their buffers are about to be reused.
   wait_reductions();
   reduce_now_ = boundary || reduces_every_micro_step();
+  if (boundary) store_->prefetch();  // the step reads the optimizer state next
   next_launch_ = static_cast<int>(units_.size()) - 1;
   for (auto& u : units_) {
     u->ready = 0;
