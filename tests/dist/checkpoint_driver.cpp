@@ -6,7 +6,8 @@
 //   checkpoint_driver --stage S --precision fp32|bf16|fp16 --steps N [--gas G] [--dropout P] [--d-model D] [--pp P] [--tp T]
 //       [--load DIR | --try-load DIR] [--save DIR (--save-at K | --save-every K) [--stop-after-save]]
 //       [--keep-last K]
-//       [--fault kill:R|fail:R] [--only-rank0-saves] [--comm-timeout S] --out PREFIX
+//       [--fault kill:R|fail:R] [--only-rank0-saves] [--comm-timeout S] [--offload SWAPDIR] --out PREFIX
+//     --offload: optimizer state (stages 1-3) and parameters (stage 3) in swap files under SWAPDIR
 //   checkpoint_driver --compare DIR_A DIR_B   (full optimizer state of two checkpoints equal?)
 #include <ATen/ATen.h>
 #include <torch/torch.h>
@@ -29,7 +30,7 @@ namespace {
 struct Args {
   int stage = 0, steps = 4, gas = 2, save_at = -1, save_every = 0, keep_last = 0, d_model = 32, pp = 1, tp = 1;
   double dropout = 0.1, comm_timeout = 600;
-  std::string precision = "fp32", load, try_load, save, fault, out, compare_a, compare_b;
+  std::string precision = "fp32", load, try_load, save, fault, out, compare_a, compare_b, offload;
   bool stop_after_save = false, only_rank0_saves = false;
 };
 
@@ -63,6 +64,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--fault") a.fault = v();
     else if (k == "--comm-timeout") a.comm_timeout = std::stod(v());
     else if (k == "--out") a.out = v();
+    else if (k == "--offload") a.offload = v();
     else if (k == "--compare") {
       a.compare_a = v();
       a.compare_b = v();
@@ -124,6 +126,13 @@ int run(const Args& a, const Runtime& rt) {
       {"pipeline", {{"stages", a.pp}}},
       {"tensor_parallel", {{"tp_size", a.tp}}},
       {"torchspeed", {{"comm_timeout_s", a.comm_timeout}}}};
+  if (!a.offload.empty()) {
+    j["zero_optimization"]["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", a.offload}, {"pipeline_read", true},
+                                                   {"pipeline_write", true}};
+    if (a.stage == 3) {
+      j["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", a.offload}, {"max_in_cpu", 0}};
+    }
+  }
   config::WorldShape shape;
   shape.world_size = world;
   const auto cfg = config::Config::parse(j, shape);

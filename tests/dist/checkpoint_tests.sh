@@ -4,7 +4,8 @@
 # resume:  for ZeRO 0-3 x fp32/bf16 (and fp16 at stage 2) at dp 2: train 6 steps saving at step 3; new processes load
 #          step 3 and train to 6. Losses (exact hex) and final fp32 masters must be identical.
 # reshard: dp 4 stage 3 -> dp 2 stage 1 -> dp 1 stage 2: each load, saved again at once, has the
-#          same full optimizer state; training on from each agrees with dp 4 (fp32 tolerance).
+#          same full optimizer state, also through offloaded engines (dp 2 stage 3 with optimizer and
+#          parameters on disk, dp 1 stage 2); training on from each agrees with dp 4 (fp32 tolerance).
 # faults:  SIGKILL during a save and after each step of publishing a re-save, truncated and
 #          bit-flipped shards, an unwritable folder, a save called by one rank only, keep_last.
 set -euo pipefail
@@ -67,6 +68,13 @@ reshard)
   run 1 --compare dp4/global_step2 dp2/global_step2 | grep -q STATES_EQUAL || fail "dp 4 stage 3 -> dp 2 stage 1 changed the state"
   run 1 --compare dp4/global_step2 dp1/global_step2 | grep -q STATES_EQUAL || fail "dp 2 stage 1 -> dp 1 stage 2 changed the state"
   echo "reshard states equal: dp4 z3 -> dp2 z1 -> dp1 z2"
+  # The same through offloaded engines: loaded into swap files and saved from them.
+  mkdir -p swap
+  run 2 $common --stage 3 --steps 2 --load dp4 --offload "$work/swap" --save dp2o --save-at 2 --stop-after-save >/dev/null
+  run 1 $common --stage 2 --steps 2 --load dp2o --offload "$work/swap" --save dp1o --save-at 2 --stop-after-save >/dev/null
+  run 1 --compare dp4/global_step2 dp2o/global_step2 | grep -q STATES_EQUAL || fail "dp 4 -> dp 2 stage 3 offloaded changed the state"
+  run 1 --compare dp4/global_step2 dp1o/global_step2 | grep -q STATES_EQUAL || fail "dp 2 -> dp 1 stage 2 offloaded changed the state"
+  echo "reshard states equal through offloaded engines: dp4 z3 -> dp2 z3 (optimizer and parameters on disk) -> dp1 z2 (optimizer on disk)"
   # Training on from the same checkpoint at dp 4, 2 and 1: same global batches, same losses up to
   # the order of floating-point sums.
   run 4 $common --stage 3 --steps 5 --load dp4 --out on4 >/dev/null

@@ -250,7 +250,7 @@ void ZeroOptimizer::open_store() {
   at::Tensor exact;
   store_->visit(
       [&](size_t i, float* const* state) {
-        const Piece& pc = pieces_[i];
+        const detail::Piece& pc = pieces_[i];
         if (pc.unit != current) {
           current = pc.unit;
           make_unit_buffers(*units_[current], exact);
@@ -273,7 +273,7 @@ at::Tensor ZeroOptimizer::read_kind(size_t kind, bool copy) const {
   float* dst = out.data_ptr<float>();
   store_->visit(
       [&](size_t i, float* const* state) {
-        const Piece& pc = pieces_[i];
+        const detail::Piece& pc = pieces_[i];
         std::memcpy(dst + units_[pc.unit]->part_offset + pc.begin, state[kind],
                     static_cast<size_t>(pc.length) * sizeof(float));
       },
@@ -477,7 +477,7 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   at::Tensor grad, dest;
   store_->visit(
       [&](size_t i, float* const* state) {
-        const Piece& s = pieces_[i];
+        const detail::Piece& s = pieces_[i];
         Unit& u = *units_[s.unit];
         if (cached != s.unit) {
           if (cached != SIZE_MAX) end_update(*units_[cached], dest);
@@ -624,7 +624,7 @@ void ZeroOptimizer::import_partition(std::vector<std::pair<std::string, at::Tens
   if (!all_adopted) {
     store_->visit(
         [&](size_t i, float* const* state) {
-          const Piece& pc = pieces_[i];
+          const detail::Piece& pc = pieces_[i];
           const int64_t at = units_[pc.unit]->part_offset + pc.begin;
           for (size_t k = 0; k < kinds_.size(); ++k)
             std::memcpy(state[k], kind_tensors[k].data_ptr<float>() + at, static_cast<size_t>(pc.length) * sizeof(float));

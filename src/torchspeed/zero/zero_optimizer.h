@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -26,6 +27,7 @@ namespace torchspeed::zero {
 
 namespace detail {
 struct Unit;
+struct Piece;
 }
 
 // DeepSpeed's zero_optimization.stage.
@@ -129,10 +131,7 @@ struct Timings {
 // Bytes of transient buffers (gathered layers, buckets) live now and at most.
 struct TransientBytes {
   int64_t now = 0, peak = 0;
-  void add(int64_t delta) {
-    now += delta;
-    if (now > peak) peak = now;
-  }
+  void add(int64_t delta) { peak = std::max(peak, now += delta); }
 };
 
 // What the engine calls around each layer of a LayerStack when the strategy gathers parameters
@@ -274,22 +273,15 @@ class ZeroOptimizer {
 
   // A kind's whole [part] tensor: the resident one (copied when `copy`), or read from the store.
   at::Tensor read_kind(size_t kind, bool copy) const;
-  // Cuts the partition into pieces, opens the store, makes each unit's buffers and writes the
-  // initial state.
+  // Cuts the partition into pieces, opens the store, makes the units' buffers, writes the state.
   void open_store();
   void make_unit_buffers(detail::Unit& u, at::Tensor& exact);
-
-  // The partition state: kinds_ = ["master" (bf16/fp16 training: a separate fp32 copy)] +
-  // state_kinds(), each fp32 [part], visited in pieces_ (Note [Step pieces]).
+  // The partition state: kinds_ = ["master" (when a separate fp32 copy)] + state_kinds(), each
+  // fp32 [part], visited in pieces_ (Note [Step pieces]).
   PartitionStorePtr store_;
   std::vector<std::string> kinds_;
   bool has_master_ = false;
-  struct Piece {
-    size_t unit;
-    int64_t begin, length;  // relative to the unit's update range
-    int group;
-  };
-  std::vector<Piece> pieces_;
+  std::vector<detail::Piece> pieces_;
   // The AccumulateGrad nodes our hooks sit on, kept alive (std::shared_ptr in LibTorch 1.13,
   // c10::intrusive_ptr in 2.x: whatever grad_accumulator returns).
   using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));

@@ -30,6 +30,14 @@ struct Segment {
   int group = 0;
 };
 
+// A piece of the step: a run of one unit's update range in one parameter group, at most
+// sub_group_size elements (Note [Step pieces] in zero_optimizer.cpp).
+struct Piece {
+  size_t unit;
+  int64_t begin, length;  // relative to the unit's update range
+  int group;
+};
+
 struct Unit {
   size_t index = 0;  // in the optimizer's units (stack order)
   std::vector<UnitParam> params;
