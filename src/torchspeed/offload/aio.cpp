@@ -203,8 +203,7 @@ SwapFile::Ticket SwapFile::queue(bool write, int64_t offset, char* buf, int64_t 
 
 void SwapFile::complete(const Request& r, int64_t result) {
   const char* op = r.write ? "write" : "read";
-  const bool record = (result < 0 || result != r.bytes) && r.offset < error_offset_ &&
-                      (error_.empty() || !outstanding_.empty());
+  const bool record = (result < 0 || result != r.bytes) && r.offset < error_offset_;
   if (record) error_offset_ = r.offset;
   if (result < 0 && record) {
     error_ = concat("offload: ", op, " of ", r.bytes, " bytes at offset ", r.offset, " of swap file '", path_,

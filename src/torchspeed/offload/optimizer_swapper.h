@@ -47,8 +47,6 @@ class OptimizerSwapper final : public zero::PartitionStore {
   // Until every write has completed (they otherwise finish behind the next forward).
   void flush();
   SwapStats stats() const;
-  // The RAM the pool costs for this partition: buffer_count x the largest group's record.
-  int64_t pool_bytes() const { return resident_bytes(); }
 
  private:
   struct Group {
