@@ -5,7 +5,9 @@
 // cgroup the process moves into (v2 memory.max or v1 memory.limit_in_bytes: new memory is charged
 // there, and going over it is an OOM kill) where the machine allows one, and the peak RSS over the
 // baseline is asserted in every case. Then the same run in memory, outside the cgroup: losses and
-// final parameters bit-identical. One ZeRO stage per process (OffloadBudget.Stage1/2/3, and 3
+// final parameters bit-identical. The offloaded run saves a checkpoint and resumes from it in a new
+// engine within the same budget (its state is 12 bytes per parameter: only streaming fits). One
+// ZeRO stage per process (OffloadBudget.Stage1/2/3, and 3
 // with the parameters offloaded too), at dp 1 and 2.
 #include <gtest/gtest.h>
 
@@ -77,16 +79,26 @@ struct Run {
   std::vector<double> losses;
 };
 
-Run train(int stage, const std::string& nvme, bool params) {
+// Three steps. With `checkpoint`, the run saves after the second step, a new engine (on a new
+// model) loads that checkpoint, and it takes the third: under the budget too, so the offloaded
+// state streams to and from the checkpoint instead of passing through memory whole.
+Run train(int stage, const std::string& nvme, bool params, const std::string& checkpoint = "") {
   Run r;
-  auto spec = bf16_spec();
-  auto stack = torchspeed::nn::build(spec);
-  r.engine = torchspeed::initialize(ts_test::dp_groups(), stack, ts_test::parse_config(config(stage, nvme, params)));
-  auto& e = r.engine;
+  auto make = [&] {
+    auto stack = torchspeed::nn::build(bf16_spec());
+    return torchspeed::initialize(ts_test::dp_groups(), stack, ts_test::parse_config(config(stage, nvme, params)));
+  };
+  r.engine = make();
   for (int s = 0; s < 3; ++s) {
+    if (s == 2 && !checkpoint.empty()) {
+      r.engine->save_checkpoint(checkpoint, "two");
+      r.engine.reset();
+      r.engine = make();
+      EXPECT_TRUE(r.engine->load_checkpoint(checkpoint).has_value());
+    }
     auto gen = at::make_generator<at::CPUGeneratorImpl>(10 * s + world()->rank());
     at::Tensor t = at::randint(0, 256, {1, 33}, gen, at::kLong);
-    r.losses.push_back(e->train_batch([&] {
+    r.losses.push_back(r.engine->train_batch([&] {
       return std::make_pair(t.narrow(1, 0, 32).contiguous(), t.narrow(1, 1, 32).contiguous());
     }));
   }
@@ -112,7 +124,7 @@ void run_stage(int stage, bool params = false) {
     torchspeed::MemoryCgroup cg(budget);
     const bool joined = cg.join(::getpid());
     enforced = joined ? "cgroup " + cg.dir() + " and peak RSS" : "peak RSS only (no memory cgroup here)";
-    off = train(stage, dir, params);
+    off = train(stage, dir, params, dir + "/checkpoints");
     peak = status_kb("VmHWM") * 1024 - baseline;  // before anything gathers the whole model to compare
     if (joined) {
       ASSERT_TRUE(cg.leave(::getpid()));  // the in-memory run below needs all of its states

@@ -65,6 +65,68 @@ TEST(Checkpoint, SafetensorsRoundTripsByteExactAndReportsItsDigest) {
   fs::remove_all(dir);
 }
 
+TEST(Checkpoint, Crc32cCombinesPartsWrittenApart) {
+  std::string s(70000, '\0');
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>((i * 131 + 7) ^ (i >> 8));
+  const uint32_t whole = ck::crc32c(0, s.data(), s.size());
+  for (size_t cut : {0, 1, 8, 999, 4096, 65537, 69999, 70000}) {
+    const uint32_t a = ck::crc32c(0, s.data(), cut), b = ck::crc32c(0, s.data() + cut, s.size() - cut);
+    EXPECT_EQ(ck::crc32c_combine(a, b, s.size() - cut), whole) << cut;
+  }
+  // Three parts, combined left to right.
+  const uint32_t a = ck::crc32c(0, s.data(), 100), b = ck::crc32c(0, s.data() + 100, 30000),
+                 c = ck::crc32c(0, s.data() + 30100, s.size() - 30100);
+  EXPECT_EQ(ck::crc32c_combine(ck::crc32c_combine(a, b, 30000), c, s.size() - 30100), whole);
+}
+
+// A shard whose optimizer state streams from disk (Note [Streamed partitions]) is the same file,
+// byte for byte and checksum, as one written from whole tensors; the reader returns any range of
+// it and refuses a damaged file before returning anything.
+TEST(Checkpoint, StreamedTensorsWriteTheSameFileAndReadBackInRanges) {
+  const std::string dir = temp_dir();
+  const at::Tensor m = at::randn({1000}), a = at::randn({1000}), b = at::randn({1000});
+  const at::Tensor head = at::arange(5, at::kLong);
+  const std::map<std::string, std::string> meta{{"format", "pt"}};
+  const auto whole = ck::save_safetensors(dir + "/whole.safetensors", {{"head", head}, {"master", m}, {"exp_avg", a},
+                                                                       {"exp_avg_sq", b}}, meta);
+  ck::StreamedTensors st;
+  for (const char* n : {"master", "exp_avg", "exp_avg_sq"}) st.tensors.push_back({n, at::kFloat, {1000}});
+  st.produce = [&](const ck::StreamSink& sink) {  // pieces of 1, 7, 300, ... elements, the kinds interleaved
+    int64_t at = 0;
+    for (int64_t len : {1, 7, 300, 92, 600}) {
+      const at::Tensor* kinds[] = {&m, &a, &b};
+      for (size_t k = 0; k < 3; ++k) sink(k, kinds[k]->data_ptr<float>() + at, static_cast<size_t>(len) * 4);
+      at += len;
+    }
+  };
+  const auto streamed = ck::save_safetensors_streamed(dir + "/streamed.safetensors", {{"head", head}}, st, meta);
+  EXPECT_EQ(read_all(dir + "/streamed.safetensors"), read_all(dir + "/whole.safetensors"));
+  EXPECT_EQ(streamed.bytes, whole.bytes);
+  EXPECT_EQ(streamed.crc32c, whole.crc32c);
+
+  ck::SafetensorsReader r(dir + "/streamed.safetensors", &streamed);
+  std::vector<float> got(250);
+  r.read("exp_avg", 4 * 333, 4 * 250, got.data());
+  EXPECT_TRUE(at::equal(at::from_blob(got.data(), {250}), a.narrow(0, 333, 250)));
+  EXPECT_TRUE(at::equal(r.tensor("exp_avg_sq"), b));
+  EXPECT_TRUE(at::equal(r.tensor("head"), head));
+  ts_test::expect_error([&] { r.read("master", 3996, 8, got.data()); }, "it has 4000");
+  ts_test::expect_error([&] { r.entry("momentum"); }, "no tensor 'momentum'");
+
+  // A producer that leaves a tensor short fails the save and leaves no file.
+  st.produce = [&](const ck::StreamSink& sink) { sink(0, m.data_ptr<float>(), 400); };
+  ts_test::expect_error([&] { ck::save_safetensors_streamed(dir + "/short.safetensors", {}, st); },
+                        "streamed tensor 'master' got 400 of its 4000 bytes");
+  EXPECT_FALSE(fs::exists(dir + "/short.safetensors"));
+
+  // Damage is found before the reader returns.
+  std::string bytes = read_all(dir + "/streamed.safetensors");
+  bytes[bytes.size() - 100] ^= 0x10;
+  std::ofstream(dir + "/streamed.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+  ts_test::expect_error([&] { ck::SafetensorsReader(dir + "/streamed.safetensors", &streamed); }, "checksum mismatch");
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoint, DamagedFilesAreRefusedWithTheirName) {
   const std::string dir = temp_dir(), path = dir + "/s.safetensors";
   const auto d = ck::save_safetensors(path, {{"x", at::randn({1000})}});

@@ -60,4 +60,41 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
   return ~crc;
 }
 
+namespace {
+// a(x) * b(x) mod P(x), bit-reflected (zlib's multmodp).
+uint32_t mult_mod_p(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return p;
+}
+
+// x^(2^k) mod P(x) for k = 0..63.
+std::array<uint32_t, 64> make_x2n_table() {
+  std::array<uint32_t, 64> t{};
+  uint32_t p = 1u << 30;  // x^1
+  for (auto& v : t) {
+    v = p;
+    p = mult_mod_p(p, p);
+  }
+  return t;
+}
+}  // namespace
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  static const std::array<uint32_t, 64> x2n = make_x2n_table();
+  // x^(8 * len_b) mod P: the shift of A's CRC past B's bytes.
+  uint32_t p = 1u << 31;  // x^0
+  unsigned k = 3;
+  for (uint64_t n = len_b; n; n >>= 1, ++k)
+    if (n & 1) p = mult_mod_p(x2n[k & 63], p);
+  return mult_mod_p(p, crc_a) ^ crc_b;
+}
+
 }  // namespace torchspeed::checkpoint

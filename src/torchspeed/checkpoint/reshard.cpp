@@ -23,13 +23,22 @@ ShardSource::ShardSource(std::string dir, zero::PartitionLayout layout, std::vec
   }
 }
 
-const SafetensorsFile& ShardSource::file(int rank) {
+const SafetensorsReader& ShardSource::file(int rank) {
   auto it = cache_.find(rank);
-  if (it != cache_.end()) return it->second;
+  if (it != cache_.end()) return *it->second;
   const std::string& name = files_[static_cast<size_t>(rank)];
   const auto d = digests_.find(name);
   TS_CHECK(d != digests_.end(), dir_, "/manifest.json: no checksum for shard file '", name, "'");
-  return cache_.emplace(rank, load_safetensors(dir_ + "/" + name, &d->second)).first->second;
+  return *cache_.emplace(rank, std::make_unique<SafetensorsReader>(dir_ + "/" + name, &d->second)).first->second;
+}
+
+void ShardSource::check_kind(int rank, const std::string& kind) {
+  const SafetensorsReader& f = file(rank);
+  TS_CHECK(f.contains(kind), dir_, "/", files_[static_cast<size_t>(rank)], ": no '", kind, "' tensor");
+  const auto& e = f.entry(kind);
+  TS_CHECK(e.dtype == at::kFloat && e.bytes == layout_.part_numel * static_cast<int64_t>(sizeof(float)), dir_, "/",
+           files_[static_cast<size_t>(rank)], ": '", kind, "' has ", e.bytes, " bytes of ", e.dtype,
+           "; the layout says ", layout_.part_numel, " float32");
 }
 
 void ShardSource::copy(const std::string& name, int64_t begin, int64_t length, const std::string& kind,
@@ -40,43 +49,56 @@ void ShardSource::copy(const std::string& name, int64_t begin, int64_t length, c
   for (const Segment& s : it->second) {
     const int64_t a = std::max(begin, s.begin), b = std::min(begin + length, s.begin + s.length);
     if (a >= b) continue;
-    const SafetensorsFile& f = file(s.rank);
-    const at::Tensor& src = f.at(kind);
-    TS_CHECK(src.scalar_type() == at::kFloat && src.numel() == layout_.part_numel, dir_, "/",
-             files_[static_cast<size_t>(s.rank)], ": '", kind, "' has ", src.numel(), " ", src.scalar_type(),
-             " elements; the layout says ", layout_.part_numel, " float32");
-    std::memcpy(dest + (a - begin), src.data_ptr<float>() + s.part_offset + (a - s.begin),
-                static_cast<size_t>(b - a) * sizeof(float));
+    check_kind(s.rank, kind);
+    constexpr int64_t kF = sizeof(float);
+    file(s.rank).read(kind, (s.part_offset + (a - s.begin)) * kF, (b - a) * kF, dest + (a - begin));
     covered += b - a;
   }
   TS_CHECK(covered == length, dir_, ": the shards hold ", covered, " of ", length, " requested elements of parameter '",
            name, "' (a damaged manifest)");
 }
 
-NamedTensors ShardSource::partition(const zero::PartitionLayout& target, int rank,
-                                    const std::vector<std::string>& kinds) {
+ShardSource::RangeReader ShardSource::reader(const zero::PartitionLayout& target, int rank) {
   // The same layout: the shard file holds exactly this partition (at stage 0, rank 0's copy).
   if (target.to_json() == layout_.to_json()) {
     const int src = layout_.stage == 0 ? 0 : rank;
     if (!files_[static_cast<size_t>(src)].empty()) {
-      const SafetensorsFile& f = file(src);
-      NamedTensors out;
-      for (const auto& kind : kinds) {
-        const at::Tensor& t = f.at(kind);
-        TS_CHECK(t.scalar_type() == at::kFloat && t.numel() == target.part_numel, dir_, "/",
-                 files_[static_cast<size_t>(src)], ": '", kind, "' has ", t.numel(), " ", t.scalar_type(),
-                 " elements; the layout says ", target.part_numel, " float32");
-        out.emplace_back(kind, t);
-      }
-      cache_.erase(src);  // the caller holds the only references
-      return out;
+      file(src);  // opened and verified now
+      return [this, src](const std::string& kind, int64_t begin, int64_t n, float* dst) {
+        check_kind(src, kind);
+        constexpr int64_t kF = sizeof(float);
+        file(src).read(kind, begin * kF, n * kF, dst);
+      };
     }
   }
-  const auto want = zero::pieces(target, rank);
+  // Another layout: each range assembled from the parameters' pieces, wherever they were saved.
+  auto want = std::make_shared<std::vector<zero::Piece>>(zero::pieces(target, rank));
+  for (const auto& p : *want) {  // every file this partition needs, opened and verified now
+    const auto it = segments_.find(p.name);
+    if (it == segments_.end()) continue;  // copy() names the missing parameter
+    for (const Segment& s : it->second)
+      if (std::max(p.begin, s.begin) < std::min(p.begin + p.length, s.begin + s.length)) file(s.rank);
+  }
+  return [this, want](const std::string& kind, int64_t begin, int64_t n, float* dst) {
+    std::fill(dst, dst + n, 0.0f);
+    // The pieces are in partition order: start at the last one that begins at or before `begin`.
+    auto it = std::upper_bound(want->begin(), want->end(), begin,
+                               [](int64_t v, const zero::Piece& p) { return v < p.part_offset; });
+    if (it != want->begin()) --it;
+    for (; it != want->end() && it->part_offset < begin + n; ++it) {
+      const int64_t a = std::max(begin, it->part_offset), b = std::min(begin + n, it->part_offset + it->length);
+      if (a < b) copy(it->name, it->begin + (a - it->part_offset), b - a, kind, dst + (a - begin));
+    }
+  };
+}
+
+NamedTensors ShardSource::partition(const zero::PartitionLayout& target, int rank,
+                                    const std::vector<std::string>& kinds) {
+  const RangeReader read = reader(target, rank);
   NamedTensors out;
   for (const auto& kind : kinds) {
-    at::Tensor t = at::zeros({target.part_numel}, at::kFloat);
-    for (const auto& p : want) copy(p.name, p.begin, p.length, kind, t.data_ptr<float>() + p.part_offset);
+    at::Tensor t = at::empty({target.part_numel}, at::kFloat);
+    read(kind, 0, target.part_numel, t.data_ptr<float>());
     out.emplace_back(kind, t);
   }
   return out;

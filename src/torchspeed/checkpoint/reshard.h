@@ -4,7 +4,9 @@
 // element range from the layouts (see zero/partition_layout.h); nothing is gathered over MPI.
 #pragma once
 
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,10 +27,17 @@ class ShardSource {
   // [target.part_numel] tensor, padding zero.
   NamedTensors partition(const zero::PartitionLayout& target, int rank, const std::vector<std::string>& kinds);
 
+  // The same partition read in ranges, never whole (offloaded state larger than memory):
+  // read(kind, begin, n, dst) fills dst with elements [begin, begin + n), padding zero. Every
+  // file it needs is opened and verified (size and CRC-32C) before this returns. The reader
+  // uses this source: keep it alive while reading.
+  using RangeReader = std::function<void(const std::string& kind, int64_t begin, int64_t n, float* dst)>;
+  RangeReader reader(const zero::PartitionLayout& target, int rank);
+
   // Every parameter of `kind` whole, with the given shapes, in the given order.
   NamedTensors full(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params, const std::string& kind);
 
-  // The files read so far (for tests and reports).
+  // The files opened so far (for tests and reports).
   size_t files_read() const { return cache_.size(); }
 
  private:
@@ -36,7 +45,9 @@ class ShardSource {
     int64_t begin, length, part_offset;
     int rank;
   };
-  const SafetensorsFile& file(int rank);
+  const SafetensorsReader& file(int rank);
+  // Checks that `kind` in `rank`'s shard is an fp32 [part_numel] tensor.
+  void check_kind(int rank, const std::string& kind);
   // Copies parameter `name`'s elements [begin, begin + length) of `kind` to dest.
   void copy(const std::string& name, int64_t begin, int64_t length, const std::string& kind, float* dest);
 
@@ -45,7 +56,7 @@ class ShardSource {
   std::vector<std::string> files_;
   std::map<std::string, FileDigest> digests_;
   std::map<std::string, std::vector<Segment>> segments_;  // by parameter name
-  std::map<int, SafetensorsFile> cache_;
+  std::map<int, std::unique_ptr<SafetensorsReader>> cache_;  // files opened (and verified) so far
 };
 
 struct Opened;

@@ -101,6 +101,24 @@ class File {
     }
   }
 
+  // Writes n bytes at `offset`, leaving the sequential position alone.
+  void write_at(const void* data, size_t n, int64_t offset) {
+    const char* p = static_cast<const char*>(data);
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t w = ::pwrite(fd_, p + done, n - done, static_cast<off_t>(offset + static_cast<int64_t>(done)));
+      if (w < 0 && errno == EINTR) continue;
+      TS_CHECK(w > 0, "writing '", path_, "' failed at offset ", offset + static_cast<int64_t>(done), ": ",
+               w < 0 ? std::strerror(errno) : "no progress");
+      done += static_cast<size_t>(w);
+    }
+  }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
   void sync() { TS_CHECK(::fsync(fd_) == 0, "fsync of '", path_, "' failed: ", std::strerror(errno)); }
   void close() {
     const int fd = fd_;
@@ -219,21 +237,38 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
 
 FileDigest save_safetensors(const std::string& path, const NamedTensors& tensors,
                             const std::map<std::string, std::string>& metadata, bool atomic) {
+  return save_safetensors_streamed(path, tensors, StreamedTensors{}, metadata, atomic);
+}
+
+FileDigest save_safetensors_streamed(const std::string& path, const NamedTensors& tensors,
+                                     const StreamedTensors& streamed, const std::map<std::string, std::string>& metadata,
+                                     bool atomic) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<at::Tensor> contiguous;
   int64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
+  auto describe = [&](const std::string& name, at::ScalarType dtype, const std::vector<int64_t>& shape) {
     TS_CHECK(!header.contains(name), "safetensors: tensor name '", name, "' appears twice");
-    at::Tensor c = t.detach().cpu().contiguous();
-    const int64_t bytes = c.numel() * static_cast<int64_t>(c.element_size());
-    header[name] = {{"dtype", dtype_name(c.scalar_type())}, {"shape", c.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(dtype));
+    for (int64_t d : shape) bytes *= d;
+    header[name] = {{"dtype", dtype_name(dtype)}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
+    return bytes;
+  };
+  for (const auto& [name, t] : tensors) {
+    at::Tensor c = t.detach().cpu().contiguous();
+    describe(name, c.scalar_type(), c.sizes().vec());
     contiguous.push_back(c);
+  }
+  const int64_t in_memory = offset;
+  std::vector<int64_t> stream_begin, stream_bytes;
+  for (const auto& s : streamed.tensors) {
+    stream_begin.push_back(offset);
+    stream_bytes.push_back(describe(s.name, s.dtype, s.shape));
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+  const int64_t base = 8 + static_cast<int64_t>(h.size());
   auto write = [&](const std::string& file) {
     File f(file, O_WRONLY | O_CREAT | O_TRUNC);
     uint32_t crc = 0;
@@ -242,8 +277,31 @@ FileDigest save_safetensors(const std::string& path, const NamedTensors& tensors
     f.write(len, 8, crc);
     f.write(h.data(), h.size(), crc);
     for (const auto& c : contiguous) f.write(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), crc);
+    if (!streamed.tensors.empty()) {
+      // Each streamed tensor at its own offset, checksummed on its own; the parts' CRCs are
+      // combined in file order (crc32c_combine).
+      const size_t n = streamed.tensors.size();
+      std::vector<int64_t> done(n, 0);
+      std::vector<uint32_t> part_crc(n, 0);
+      TS_INTERNAL_ASSERT(streamed.produce, "streamed tensors without a producer");
+      streamed.produce([&](size_t i, const void* data, size_t bytes) {
+        TS_INTERNAL_ASSERT(i < n, "streamed tensor ", i, " of ", n);
+        TS_CHECK(done[i] + static_cast<int64_t>(bytes) <= stream_bytes[i], file, ": streamed tensor '",
+                 streamed.tensors[i].name, "' was given more than its ", stream_bytes[i], " bytes");
+        f.write_at(data, bytes, base + stream_begin[i] + done[i]);
+        part_crc[i] = crc32c(part_crc[i], data, bytes);
+        done[i] += static_cast<int64_t>(bytes);
+      });
+      for (size_t i = 0; i < n; ++i) {
+        TS_CHECK(done[i] == stream_bytes[i], file, ": streamed tensor '", streamed.tensors[i].name, "' got ", done[i],
+                 " of its ", stream_bytes[i], " bytes");
+        crc = crc32c_combine(crc, part_crc[i], static_cast<uint64_t>(stream_bytes[i]));
+      }
+    }
+    TS_INTERNAL_ASSERT(f.offset() == base + in_memory, "safetensors writer position");
     f.sync();
-    const FileDigest d{f.offset(), crc};
+    const FileDigest d{base + offset, crc};
+    TS_CHECK(f.size() == d.bytes, file, ": ", f.size(), " bytes written, ", d.bytes, " expected");
     f.close();
     return d;
   };
@@ -256,15 +314,17 @@ const at::Tensor& SafetensorsFile::at(const std::string& name) const {
   TS_CHECK(false, "safetensors file has no tensor '", name, "'");
 }
 
-SafetensorsFile load_safetensors(const std::string& path, const FileDigest* expected) {
-  File f(path, O_RDONLY);
-  const int64_t size = f.size();
-  if (expected) {
-    TS_CHECK(size == expected->bytes, path, ": ", size < expected->bytes ? "truncated" : "wrong size", ": ", size,
-             " bytes, the checkpoint manifest says ", expected->bytes);
-  }
+namespace {
+// A file's header, checked: the tensors tile the data bytes exactly, in offset order.
+struct Header {
+  std::vector<HeaderEntry> entries;  // by offset
+  std::map<std::string, std::string> metadata;
+  int64_t base = 0;  // file offset of the first data byte
+};
+
+// Reads the header of `f` (a file of `size` bytes, read from offset 0), extending `crc`.
+Header read_header(File& f, int64_t size, const std::string& path, uint32_t& crc) {
   TS_CHECK(size >= 8, path, ": truncated (", size, " bytes, no header length)");
-  uint32_t crc = 0;
   unsigned char len[8];
   f.read(len, 8, crc);
   uint64_t n = 0;
@@ -280,38 +340,112 @@ SafetensorsFile load_safetensors(const std::string& path, const FileDigest* expe
     TS_CHECK(false, path, ": corrupt header at offset 8: ", e.what());
   }
   TS_CHECK(header.is_object(), path, ": the header at offset 8 is not a JSON object");
-  SafetensorsFile out;
-  const int64_t base = 8 + static_cast<int64_t>(n);
-  std::vector<HeaderEntry> entries;
+  Header out;
+  out.base = 8 + static_cast<int64_t>(n);
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
       for (const auto& [k, val] : v.items()) out.metadata[k] = val.is_string() ? val.get<std::string>() : val.dump();
       continue;
     }
-    entries.push_back(header_entry(name, v, path));
+    out.entries.push_back(header_entry(name, v, path));
   }
   // By offset; empty tensors at the same offset stay in name order (the header's).
-  std::stable_sort(entries.begin(), entries.end(),
+  std::stable_sort(out.entries.begin(), out.entries.end(),
                    [](const HeaderEntry& a, const HeaderEntry& b) { return a.begin < b.begin; });
-  int64_t pos = 0;  // data bytes consumed
-  for (const HeaderEntry& e : entries) {
+  int64_t pos = 0;  // data bytes described so far
+  for (const HeaderEntry& e : out.entries) {
     TS_CHECK(e.begin == pos, path, ": tensor '", e.name, "' starts at data offset ", e.begin,
              " but the previous one ends at ", pos, " (overlapping or with a hole)");
-    TS_CHECK(e.end <= size - base, path, ": tensor '", e.name, "' ends at offset ", base, " + ",
-             e.end, " past the end of the file (", size, " bytes): truncated");
+    TS_CHECK(e.end <= size - out.base, path, ": tensor '", e.name, "' ends at offset ", out.base, " + ", e.end,
+             " past the end of the file (", size, " bytes): truncated");
+    pos = e.end;
+  }
+  TS_CHECK(out.base + pos == size, path, ": ", size - out.base - pos, " bytes after the last tensor (offset ",
+           out.base + pos, "): not a safetensors file or a damaged one");
+  return out;
+}
+
+void check_size(const std::string& path, int64_t size, const FileDigest* expected) {
+  if (!expected) return;
+  TS_CHECK(size == expected->bytes, path, ": ", size < expected->bytes ? "truncated" : "wrong size", ": ", size,
+           " bytes, the checkpoint manifest says ", expected->bytes);
+}
+
+void check_crc(const std::string& path, uint32_t crc, const FileDigest* expected) {
+  if (!expected) return;
+  TS_CHECK(crc == expected->crc32c, path, ": checksum mismatch (CRC-32C ", hex32(crc), ", the manifest says ",
+           hex32(expected->crc32c), "): the file is corrupt");
+}
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path, const FileDigest* expected) {
+  File f(path, O_RDONLY);
+  const int64_t size = f.size();
+  check_size(path, size, expected);
+  uint32_t crc = 0;
+  Header h = read_header(f, size, path, crc);
+  SafetensorsFile out;
+  out.metadata = std::move(h.metadata);
+  for (const HeaderEntry& e : h.entries) {
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
     f.read(t.data_ptr(), static_cast<size_t>(e.end - e.begin), crc);
-    pos = e.end;
     out.tensors.emplace_back(e.name, t);
   }
-  TS_CHECK(base + pos == size, path, ": ", size - base - pos, " bytes after the last tensor (offset ", base + pos,
-           "): not a safetensors file or a damaged one");
   out.digest = {size, crc};
-  if (expected) {
-    TS_CHECK(crc == expected->crc32c, path, ": checksum mismatch (CRC-32C ", hex32(crc), ", the manifest says ",
-             hex32(expected->crc32c), "): the file is corrupt");
-  }
+  check_crc(path, crc, expected);
   return out;
+}
+
+SafetensorsReader::SafetensorsReader(std::string path, const FileDigest* expected) : path_(std::move(path)) {
+  File f(path_, O_RDONLY);
+  const int64_t size = f.size();
+  check_size(path_, size, expected);
+  uint32_t crc = 0;
+  Header h = read_header(f, size, path_, crc);
+  if (expected) {  // the data bytes, streamed through one buffer
+    std::vector<char> buf(kChunk);
+    for (int64_t left = size - f.offset(); left > 0;) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(left, static_cast<int64_t>(kChunk)));
+      f.read(buf.data(), n, crc);
+      left -= static_cast<int64_t>(n);
+    }
+    check_crc(path_, crc, expected);
+  }
+  for (const HeaderEntry& e : h.entries) entries_[e.name] = {e.dtype, e.shape, h.base + e.begin, e.end - e.begin};
+  fd_ = f.release();
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsReader::Entry& SafetensorsReader::entry(const std::string& name) const {
+  const auto it = entries_.find(name);
+  TS_CHECK(it != entries_.end(), path_, ": no tensor '", name, "'");
+  return it->second;
+}
+
+void SafetensorsReader::read(const std::string& name, int64_t begin, int64_t n, void* dst) const {
+  const Entry& e = entry(name);
+  TS_CHECK(begin >= 0 && n >= 0 && begin + n <= e.bytes, path_, ": bytes [", begin, ", ", begin + n, ") of tensor '",
+           name, "' requested; it has ", e.bytes);
+  char* p = static_cast<char*>(dst);
+  int64_t done = 0;
+  while (done < n) {
+    const int64_t at = e.offset + begin + done;
+    const ssize_t r = ::pread(fd_, p + done, static_cast<size_t>(n - done), static_cast<off_t>(at));
+    if (r < 0 && errno == EINTR) continue;
+    TS_CHECK(r >= 0, "reading '", path_, "' failed at offset ", at, ": ", std::strerror(errno));
+    TS_CHECK(r > 0, path_, ": truncated: the file ends at offset ", at, " inside tensor '", name, "'");
+    done += r;
+  }
+}
+
+at::Tensor SafetensorsReader::tensor(const std::string& name) const {
+  const Entry& e = entry(name);
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  read(name, 0, e.bytes, t.data_ptr());
+  return t;
 }
 
 }  // namespace torchspeed::checkpoint

@@ -277,8 +277,8 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
   // 3. This rank's shard.
   nlohmann::json mine = {{"rank_state", spec.rank_state}};
   err = error_of([&] {
-    if (!spec.tensors.empty()) {
-      const FileDigest d = save_safetensors(tmp + "/" + spec.file, spec.tensors,
+    if (!spec.tensors.empty() || !spec.streamed.tensors.empty()) {
+      const FileDigest d = save_safetensors_streamed(tmp + "/" + spec.file, spec.tensors, spec.streamed,
                                             {{"format", "pt"}, {"producer", "torchspeed"}, {"rank", std::to_string(comm.rank())}},
                                             /*atomic=*/false);
       mine["file"] = {{"name", spec.file}, {"bytes", d.bytes}, {"crc32c", d.crc32c}, {"rank", comm.rank()}};

@@ -24,7 +24,8 @@ struct SaveSpec {
   std::string dir, tag;
   int keep_last = 0;            // 0 keeps every tag
   nlohmann::json manifest;      // rank 0's: everything but "files" and "ranks", which save() adds
-  NamedTensors tensors;         // this rank's shard; empty writes no file
+  NamedTensors tensors;         // this rank's shard; empty (and nothing streamed) writes no file
+  StreamedTensors streamed;     // more of it, written in pieces (after `tensors` in the file)
   std::string file;             // this rank's shard file name inside the tag folder
   nlohmann::json rank_state;    // this rank's entry of manifest["ranks"] (RNG, client state)
   bool joined = false;          // join_save() already ran

@@ -206,10 +206,20 @@ nlohmann::json Engine::export_counters() const {
           {"zero_stage", config_.zero.stage}, {"dp", groups_.dp->size()}, {"dp_rank", groups_.dp->rank()}};
 }
 
+void Engine::check_state(const nlohmann::json& s) {
+  TS_CHECK(s.contains("global_steps") && s.contains("micro_steps") && s.contains("skipped_steps") &&
+               s.contains("optimizer_steps") && s.contains("loss_scaler") && s.contains("lr_schedule"),
+           "engine state is missing global_steps, micro_steps, skipped_steps, optimizer_steps, loss_scaler or "
+           "lr_schedule");
+}
+
 void Engine::import_state(const nlohmann::json& s, std::vector<std::pair<std::string, at::Tensor>> tensors) {
-  TS_CHECK(s.contains("global_steps") && s.contains("loss_scaler") && s.contains("lr_schedule"),
-           "engine state is missing global_steps, loss_scaler or lr_schedule");
+  check_state(s);
   zero_->import_partition(std::move(tensors), s.at("optimizer_steps").get<int64_t>());
+  import_counters(s);
+}
+
+void Engine::import_counters(const nlohmann::json& s) {
   global_steps_ = s.at("global_steps").get<int64_t>();
   micro_steps_ = s.at("micro_steps").get<int64_t>();
   skipped_steps_ = s.at("skipped_steps").get<int64_t>();

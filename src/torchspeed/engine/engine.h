@@ -144,6 +144,9 @@ class Engine {
   void optimizer_step();
   double mean_over_data_parallel(double v) const;
   nlohmann::json export_counters() const;
+  // import_state's checks of the JSON part, and the counters, scaler and schedule it restores.
+  static void check_state(const nlohmann::json& state);
+  void import_counters(const nlohmann::json& state);
   // DeepSpeed's monitor events of the step just taken (world rank 0, tensorboard/csv_monitor).
   void write_monitor_events(std::optional<double> train_loss);
   void make_checkpoint_comm();

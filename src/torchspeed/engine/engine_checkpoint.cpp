@@ -41,11 +41,20 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
   checkpoint::join_save(*checkpoint_comm_, spec.dir, spec.tag);
   spec.joined = true;
   spec.keep_last = config_.checkpoint.keep_last;
-  // Views of the live buffers where possible: the save completes before anything changes them.
-  spec.tensors = zero_->export_partition(/*copy=*/false);
   const zero::PartitionLayout layout = zero_->layout();
   // Stage 0 ranks hold identical copies of the whole state: data-parallel rank 0's is enough.
-  if (layout.stage == 0 && groups_.dp->rank() != 0) spec.tensors.clear();
+  // Views of the live buffers where possible (the save completes before anything changes
+  // them); offloaded state streams from its store (Note [Streamed partitions]).
+  if (layout.stage != 0 || groups_.dp->rank() == 0) {
+    auto part = zero_->export_partition_streamed();
+    spec.tensors = std::move(part.resident);
+    for (const auto& kind : part.streamed) spec.streamed.tensors.push_back({kind, at::kFloat, {layout.part_numel}});
+    if (part.stream) {
+      spec.streamed.produce = [stream = std::move(part.stream)](const checkpoint::StreamSink& sink) {
+        stream([&](size_t k, const float* data, int64_t n) { sink(k, data, static_cast<size_t>(n) * sizeof(float)); });
+      };
+    }
+  }
   const int world_rank = groups_.world->rank();
   spec.file = checkpoint::shard_file(world_rank);
   spec.rank_state = {{"rank", world_rank}, {"dp_rank", groups_.dp->rank()}, {"rng_cpu", checkpoint::cpu_rng_state()},
@@ -77,17 +86,22 @@ std::optional<Engine::LoadedCheckpoint> Engine::load_checkpoint(const std::strin
   if (!opened) return std::nullopt;
   const nlohmann::json& m = opened->manifest;
   const std::string where = opened->path + "/manifest.json";
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  // Everything is read and checked before anything changes; ranks agree before importing.
+  std::optional<checkpoint::ShardSource> source;
+  checkpoint::ShardSource::RangeReader read;
+  // Every file this rank reads is verified (size, CRC-32C) and the manifest checked before
+  // anything changes; ranks agree before importing. The partition is then read in ranges
+  // straight into its buffers or store, never whole where it is offloaded (Note [Streamed
+  // partitions]).
   std::string err = checkpoint::error_of([&] {
     const int pp = groups_.coord.pp, tp = groups_.coord.tp;
     checkpoint::check_compatible(*opened, {config_.tp, config_.pp, pp, tp, config_.optimizer.type, zero_->param_shapes()});
-    std::vector<std::string> kinds{"master"};
-    for (const auto& k : zero_->state_kinds()) kinds.push_back(k);
-    tensors = checkpoint::shard_source(*opened, pp, tp).partition(zero_->layout(), groups_.dp->rank(), kinds);
+    check_state(m.at("engine"));
+    source.emplace(checkpoint::shard_source(*opened, pp, tp));
+    read = source->reader(zero_->layout(), groups_.dp->rank());
   });
   checkpoint::agree(*checkpoint_comm_, concat("load_checkpoint('", opened->path, "')"), err);
-  import_state(m.at("engine"), std::move(tensors));
+  zero_->import_partition(read, m.at("engine").at("optimizer_steps").get<int64_t>());
+  import_counters(m.at("engine"));
   // The RNG streams continue where they were; a job of another size takes rank r's when it exists.
   const auto& ranks = m.at("ranks");
   const size_t r = static_cast<size_t>(groups_.world->rank());

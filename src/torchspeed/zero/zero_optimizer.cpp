@@ -59,6 +59,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include <malloc.h>
 
@@ -590,6 +591,40 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::export_partition(
   return out;
 }
 
+// Note [Streamed partitions]
+// An offloaded partition is larger than the memory the process may use, so a checkpoint never
+// holds one of its kinds whole. Saving: the kinds stream out of the store's visit piece by piece
+// (each kind's elements in partition order, so the writer appends each at its own offset), and
+// fp32 masters that are the parameters themselves stream from the units. Loading: one visit
+// fills each piece of every kind from the reader (checkpoint files read in ranges) and writes
+// the parameters from the piece's masters as it goes, as the step does. A resident store still
+// gets whole tensors, read once and adopted.
+ZeroOptimizer::PartitionExport ZeroOptimizer::export_partition_streamed() const {
+  PartitionExport out;
+  if (store_->resident(0).defined()) {
+    out.resident = export_partition(/*copy=*/false);
+    return out;
+  }
+  if (!has_master_) out.streamed.push_back("master");
+  for (const auto& k : kinds_) out.streamed.push_back(k);
+  out.stream = [this](const ElementSink& fn) {
+    const size_t first = has_master_ ? 0 : 1;  // streamed index of kinds_[0]
+    if (!has_master_) {  // fp32: the masters are the parameters (or stage 3 shards) themselves
+      for (const auto& up : units_) {
+        const Unit& u = *up;
+        const at::Tensor src = u.persistent ? u.full.narrow(0, u.update_begin, u.part_size) : u.shard_param;
+        fn(0, src.data_ptr<float>(), u.part_size);
+      }
+    }
+    store_->visit(
+        [&](size_t i, float* const* state) {
+          for (size_t k = 0; k < kinds_.size(); ++k) fn(first + k, state[k], pieces_[i].length);
+        },
+        /*read=*/true, /*write=*/false);
+  };
+  return out;
+}
+
 void ZeroOptimizer::import_partition(std::vector<std::pair<std::string, at::Tensor>> tensors, int64_t steps) {
   auto find = [&](const std::string& name) -> at::Tensor& {
     for (auto& [n, t] : tensors)
@@ -602,46 +637,74 @@ void ZeroOptimizer::import_partition(std::vector<std::pair<std::string, at::Tens
     TS_CHECK(false, "optimizer state has no '", name, "' tensor");
   };
   // Every tensor is checked before any buffer changes.
-  find("master");
-  at::Tensor master = has_master_ ? at::Tensor() : find("master");  // fp32: written to the parameters
-  std::vector<at::Tensor> kind_tensors;
-  for (const auto& kind : kinds_) kind_tensors.push_back(find(kind).contiguous());
-  for (auto& [n, t] : tensors) t = at::Tensor();  // ours are the only references left
+  std::map<std::string, at::Tensor> by_kind;
+  by_kind["master"] = find("master").contiguous();
+  for (const auto& kind : kinds_) by_kind[kind] = find(kind).contiguous();
+  tensors.clear();  // ours are the only references left
   // A tensor only this call holds becomes the live buffer of a resident store (a checkpoint
-  // load); otherwise it is copied, streamed piece by piece into the store.
-  bool all_adopted = true;
+  // load); otherwise it is copied.
+  std::vector<bool> have(kinds_.size(), false);
   for (size_t k = 0; k < kinds_.size(); ++k) {
-    at::Tensor& t = kind_tensors[k];
+    at::Tensor& t = by_kind[kinds_[k]];
     const bool sole = t.storage_offset() == 0 && t.use_count() == 1 && t.storage().use_count() == 1;
-    at::Tensor live = store_->resident(k);
-    if (live.defined() && sole && store_->adopt(k, t)) continue;
-    if (live.defined()) {
-      live.copy_(t);
-      continue;
-    }
-    all_adopted = false;
+    if (store_->resident(k).defined() && sole && store_->adopt(k, t)) have[k] = true;
   }
-  if (!all_adopted) {
+  import_from(
+      [&](const std::string& kind, int64_t begin, int64_t n, float* dst) {
+        std::memcpy(dst, by_kind.at(kind).data_ptr<float>() + begin, static_cast<size_t>(n) * sizeof(float));
+      },
+      have, steps);
+}
+
+void ZeroOptimizer::import_partition(const PartitionReader& read, int64_t steps) {
+  import_from(read, std::vector<bool>(kinds_.size(), false), steps);
+}
+
+// See Note [Streamed partitions].
+void ZeroOptimizer::import_from(const PartitionReader& read, const std::vector<bool>& have, int64_t steps) {
+  const bool resident = store_->resident(0).defined();
+  if (resident) {
+    for (size_t k = 0; k < kinds_.size(); ++k) {
+      if (have[k]) continue;
+      at::Tensor t = at::empty({part_numel_}, at::kFloat);
+      read(kinds_[k], 0, part_numel_, t.data_ptr<float>());
+      if (!store_->adopt(k, t)) store_->resident(k).copy_(t);
+    }
+  }
+  step_count_ = steps;
+  before_import();
+  if (!has_master_) {  // fp32: each unit's masters are read straight into its parameters
+    for (auto& up : units_) {
+      Unit& u = *up;
+      at::Tensor dest = begin_update(u);
+      read("master", u.part_offset, u.part_size, dest.data_ptr<float>());
+      end_update(u, dest);
+    }
+  }
+  if (has_master_ || !resident) {
+    // Piece by piece: fill an offloaded store, write the parameters from the masters.
+    const optim::ParamOut out_kind = param_out(/*master_is_param=*/false);
+    size_t cached = SIZE_MAX;
+    at::Tensor dest;
     store_->visit(
         [&](size_t i, float* const* state) {
           const detail::Piece& pc = pieces_[i];
-          const int64_t at = units_[pc.unit]->part_offset + pc.begin;
-          for (size_t k = 0; k < kinds_.size(); ++k)
-            std::memcpy(state[k], kind_tensors[k].data_ptr<float>() + at, static_cast<size_t>(pc.length) * sizeof(float));
+          if (!resident) {
+            const int64_t at = units_[pc.unit]->part_offset + pc.begin;
+            for (size_t k = 0; k < kinds_.size(); ++k) read(kinds_[k], at, pc.length, state[k]);
+          }
+          if (!has_master_) return;
+          if (cached != pc.unit) {
+            if (cached != SIZE_MAX) end_update(*units_[cached], dest);
+            dest = begin_update(*units_[pc.unit]);
+            cached = pc.unit;
+          }
+          optim::write_params(state[0], pc.length,
+                              static_cast<char*>(dest.data_ptr()) + pc.begin * static_cast<int64_t>(dest.element_size()),
+                              out_kind);
         },
-        /*read=*/false, /*write=*/true);
-  }
-  if (has_master_) master = kind_tensors[0];
-  kind_tensors.clear();
-  step_count_ = steps;
-  const optim::ParamOut out_kind = param_out(/*master_is_param=*/false);
-  before_import();
-  master = master.contiguous();
-  for (auto& up : units_) {
-    Unit& u = *up;
-    at::Tensor dest = begin_update(u);
-    optim::write_params(master.data_ptr<float>() + u.part_offset, u.part_size, dest.data_ptr(), out_kind);
-    end_update(u, dest);
+        /*read=*/false, /*write=*/!resident);
+    if (cached != SIZE_MAX) end_update(*units_[cached], dest);
   }
   gather_updated();
   zero_grad();

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -182,6 +183,22 @@ class ZeroOptimizer {
   // Tensors nobody else holds are adopted as the live buffers instead of copied.
   void import_partition(std::vector<std::pair<std::string, at::Tensor>> tensors, int64_t steps);
 
+  // The same partition for a checkpoint without ever holding an offloaded kind whole: kinds in
+  // RAM as views of the live buffers (valid until the next step), the rest as a stream that
+  // calls fn(k, data, n) with the next n elements of streamed[k], in partition order for each k
+  // (Note [Streamed partitions]).
+  using ElementSink = std::function<void(size_t kind, const float* data, int64_t n)>;
+  struct PartitionExport {
+    std::vector<std::pair<std::string, at::Tensor>> resident;
+    std::vector<std::string> streamed;  // each fp32 [partition elements]
+    std::function<void(const ElementSink&)> stream;
+  };
+  PartitionExport export_partition_streamed() const;
+  // Restores from a reader of elements [begin, begin + n) of a kind ("master", state_kinds()):
+  // whole tensors for kinds in RAM, piece by piece for kinds in a slower tier. Collective.
+  using PartitionReader = std::function<void(const std::string& kind, int64_t begin, int64_t n, float* dst)>;
+  void import_partition(const PartitionReader& read, int64_t steps);
+
   // Where each parameter's elements sit in every rank's partition (what a checkpoint needs to
   // reshard). The same on every rank.
   PartitionLayout layout() const;
@@ -271,6 +288,8 @@ class ZeroOptimizer {
   optim::ParamOut param_out(bool master_is_param) const;
   void gather_updated();
 
+  // import_partition's work once the kinds marked in `have` are already in the resident store.
+  void import_from(const PartitionReader& read, const std::vector<bool>& have, int64_t steps);
   // A kind's whole [part] tensor: the resident one (copied when `copy`), or read from the store.
   at::Tensor read_kind(size_t kind, bool copy) const;
   // Cuts the partition into pieces, opens the store, makes the units' buffers, writes the state.
