@@ -1,5 +1,6 @@
 // The independent reference of the parity tests: one process trains the whole model with plain
-// LibTorch — autograd, torch::nn::utils::clip_grad_norm_, torch::optim::AdamW / SGD — on the
+// LibTorch — autograd, torch::nn::utils::clip_grad_norm_, torch::optim::AdamW / SGD (or Lamb in
+// plain tensor ops, below) — on the
 // global batches the ranks of a parallel run see together. No engine, ZeRO, pipeline or fused
 // optimizer code runs here (the LR value of a step comes from optim::LRSchedule, whose formulas
 // have their own unit tests).
@@ -8,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -34,6 +36,47 @@ using MicroBatch = std::pair<at::Tensor, at::Tensor>;  // (inputs, targets)
 // by several layers (a tied embedding and LM head) is one leaf, so its gradient is the sum of
 // its uses. The norm is clipped over every distinct parameter, then the optimizer steps with
 // the config's hyperparameters and the schedule's LR.
+// DeepSpeed's FusedLamb (deepspeed/ops/lamb/fused_lamb.py and its kernel) written with plain
+// tensor ops, one parameter tensor at a time: the trust ratio ||p|| / ||u|| of each whole tensor,
+// clamped to [min_coeff, max_coeff] (1 when either norm is zero), bias correction in the step size.
+class ReferenceLamb {
+ public:
+  ReferenceLamb(std::vector<std::pair<at::Tensor, double>> params, const torchspeed::config::OptimizerConfig& o)
+      : params_(std::move(params)), o_(o) {
+    for (auto& [p, wd] : params_) {
+      m_.push_back(at::zeros_like(p));
+      v_.push_back(at::zeros_like(p));
+    }
+  }
+  void step(double lr) {
+    torch::NoGradGuard no_grad;
+    ++t_;
+    const double b1 = o_.betas.at(0), b2 = o_.betas.at(1);
+    const double step = o_.bias_correction ? lr * std::sqrt(1 - std::pow(b2, t_)) / (1 - std::pow(b1, t_)) : lr;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& p = params_[i].first;
+      const at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
+      m_[i].mul_(b1).add_(g, 1 - b1);
+      v_[i].mul_(b2).addcmul_(g, g, 1 - b2);
+      const at::Tensor denom = o_.eps_inside_sqrt ? (v_[i] + o_.eps).sqrt() : v_[i].sqrt() + o_.eps;
+      const at::Tensor u = m_[i] / denom + params_[i].second * p;
+      const double wn = p.norm().item<double>(), un = u.norm().item<double>();
+      const double coeff = wn == 0 || un == 0 ? 1.0 : std::clamp(wn / un, o_.min_coeff, o_.max_coeff);
+      p.sub_(u * (step * coeff));
+    }
+  }
+  void zero_grad() {
+    for (auto& [p, wd] : params_)
+      if (p.grad().defined()) p.grad().zero_();
+  }
+
+ private:
+  std::vector<std::pair<at::Tensor, double>> params_;
+  torchspeed::config::OptimizerConfig o_;
+  std::vector<at::Tensor> m_, v_;
+  int64_t t_ = 0;
+};
+
 class ReferenceTrainer {
  public:
   // `no_decay`: parameters (by name) in a second group without weight decay, as
@@ -43,8 +86,8 @@ class ReferenceTrainer {
       : model_(std::move(model)),
         clip_(cfg.gradient_clipping),
         schedule_(cfg.scheduler, cfg.optimizer.lr, cfg.optimizer.betas.at(0)) {
-    TS_CHECK(cfg.optimizer.type == "AdamW" || cfg.optimizer.type == "SGD",
-             "the reference trains with AdamW or SGD, not '", cfg.optimizer.type, "'");
+    TS_CHECK(cfg.optimizer.type == "AdamW" || cfg.optimizer.type == "SGD" || cfg.optimizer.type == "Lamb",
+             "the reference trains with AdamW, SGD or Lamb, not '", cfg.optimizer.type, "'");
     std::unordered_set<const void*> seen;
     std::vector<at::Tensor> decay, plain;
     for (const auto& item : model_->named_parameters()) {
@@ -53,6 +96,13 @@ class ReferenceTrainer {
       (no_decay && no_decay(item.key(), item.value()) ? plain : decay).push_back(item.value());
     }
     const auto& o = cfg.optimizer;
+    if (o.type == "Lamb") {
+      std::vector<std::pair<at::Tensor, double>> with_wd;
+      for (auto& p : decay) with_wd.emplace_back(p, o.weight_decay);
+      for (auto& p : plain) with_wd.emplace_back(p, 0.0);
+      lamb_ = std::make_unique<ReferenceLamb>(std::move(with_wd), o);
+      return;
+    }
     std::vector<torch::optim::OptimizerParamGroup> groups;
     auto add_group = [&](std::vector<at::Tensor> ps, double weight_decay) {
       if (ps.empty()) return;
@@ -86,7 +136,11 @@ class ReferenceTrainer {
   double step(const std::vector<MicroBatch>& micro_batches) {
     TS_CHECK(!micro_batches.empty(), "a reference step needs at least one micro-batch");
     model_->train();
-    opt_->zero_grad();
+    if (lamb_) {
+      lamb_->zero_grad();
+    } else {
+      opt_->zero_grad();
+    }
     double sum = 0.0;
     const double n = static_cast<double>(micro_batches.size());
     for (const auto& [x, y] : micro_batches) {
@@ -96,8 +150,12 @@ class ReferenceTrainer {
     }
     // The norm before clipping; a non-positive gradient_clipping clips nothing.
     last_norm_ = torch::nn::utils::clip_grad_norm_(params_, clip_ > 0.0 ? clip_ : 1e30);
-    for (auto& g : opt_->param_groups()) g.options().set_lr(schedule_.lr());
-    opt_->step();
+    if (lamb_) {
+      lamb_->step(schedule_.lr());
+    } else {
+      for (auto& g : opt_->param_groups()) g.options().set_lr(schedule_.lr());
+      opt_->step();
+    }
     schedule_.step();
     return sum / n;
   }
@@ -143,6 +201,7 @@ class ReferenceTrainer {
   torchspeed::optim::LRSchedule schedule_;
   std::vector<at::Tensor> params_;  // distinct, in named_parameters() order
   std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::unique_ptr<ReferenceLamb> lamb_;
   double last_norm_ = 0.0;
 };
 

@@ -216,3 +216,14 @@ TEST(Offload, TheParameterSwapperReturnsTheLastWrittenShardPrefetchedOrInPieces)
   s.flush();
   fs::remove_all(dir);
 }
+
+// DeepSpeed's aio runs intra_op_parallelism threads with queue_depth requests each: the one
+// io_uring ring keeps all of them in flight.
+TEST(Offload, IntraOpParallelismMultipliesTheRequestsInFlight) {
+  torchspeed::config::WorldShape w;
+  auto cfg = torchspeed::config::Config::parse(
+      {{"train_batch_size", 8}, {"aio", {{"queue_depth", 8}, {"intra_op_parallelism", 4}}}}, w);
+  EXPECT_EQ(torchspeed::offload::aio_options_of(cfg).queue_depth(), 32);
+  auto old_name = torchspeed::config::Config::parse({{"train_batch_size", 8}, {"aio", {{"thread_count", 2}}}}, w);
+  EXPECT_EQ(torchspeed::offload::aio_options_of(old_name).queue_depth(), 16);
+}

@@ -172,7 +172,12 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     for (const auto& s : o->sets) apply_override(j, s);
     config::WorldShape shape;
     shape.world_size = rt.world_size;
-    config::Config cfg = config::Config::parse(j, shape);
+    // "auto" values (Hugging Face configs): the steps and hidden size from our own sections.
+    config::AutoValues autos;
+    autos.max_steps = read_train(j.value("train", nlohmann::json::object())).steps;
+    autos.hidden_size = models::GPTConfig::from_json(j.value("model", nlohmann::json::object())).d_model;
+    autos.source = "torchspeed train, as the Hugging Face Trainer's default";
+    config::Config cfg = config::Config::parse(j, shape, autos);
     for (const auto& w : cfg.warnings) log::warn0(o->config, ": ", w);
     const auto gpt = models::GPTConfig::from_json(cfg.sections.value("model", nlohmann::json::object()));
     DataSection ds = read_data(cfg.sections.value("data", nlohmann::json::object()));

@@ -3,6 +3,8 @@
 // sizes are resolved with DeepSpeed's rules against the world shape.
 #include "torchspeed/config/config.h"
 
+#include <functional>
+#include <set>
 #include <fstream>
 #include <sstream>
 
@@ -19,13 +21,13 @@ const std::vector<std::string> kForeignSections = {
     "amp", "flops_profiler", "comms_logger", "elasticity", "autotuning", "data_efficiency",
     "compression_training", "sparse_attention", "wandb", "comet", "quantize_training",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula",
-    "weight_quantization", "hybrid_engine"};
+    "weight_quantization", "hybrid_engine", "torch_autocast"};
 // DeepSpeed flags that change nothing in torchspeed (warned, not refused).
 const std::vector<std::string> kIgnoredFlags = {
     "disable_allgather", "dump_state", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "sparse_gradients", "fp32_allreduce",
     "gradient_accumulation_dtype", "use_data_before_expert_parallel_", "graph_harvesting",
-    "steps_per_print_all_ranks"};
+    "steps_per_print_all_ranks", "cuda_visible_devices"};
 // Sections validated by the components that own them.
 const std::vector<std::string> kOwnedSections = {"model", "data", "train"};
 
@@ -47,12 +49,13 @@ void read_fp16(JsonReader& r, FP16Config& c) {
 }
 
 void read_optimizer(JsonReader& r, OptimizerConfig& c) {
+  // Names as DeepSpeed compares them (lower case): "OnebitAdam" is OneBitAdam.
   c.type = r.get_string("type", "", {"Adam", "AdamW", "SGD", "Lamb", "OneBitAdam", "ZeroOneAdam",
                                      "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD"});
   if (c.type.empty() && r.has("type") == false) r.error("type", "is required in an optimizer section");
-  if (c.type != "" && c.type != "Adam" && c.type != "AdamW" && c.type != "SGD") {
+  if (c.type != "" && c.type != "Adam" && c.type != "AdamW" && c.type != "SGD" && c.type != "Lamb") {
     r.error("type", concat("\"", c.type, "\" is a DeepSpeed optimizer torchspeed does not have; "
-                        "use Adam, AdamW or SGD"));
+                        "use Adam, AdamW, SGD or Lamb"));
   }
   auto p = r.child("params");
   if (!p) {
@@ -72,12 +75,22 @@ void read_optimizer(JsonReader& r, OptimizerConfig& c) {
     }
     c.eps = p->get_double("eps", 1e-8, 0.0);
     c.bias_correction = p->get_bool("bias_correction", true);
-    c.adam_w_mode = p->get_bool("adam_w_mode", true);
-    if (c.type == "AdamW" && !c.adam_w_mode) {
-      p->error("adam_w_mode", "AdamW always decouples weight decay; use type Adam for L2 decay");
+    if (c.type == "Lamb") {  // deepspeed.ops.lamb.FusedLamb's parameters
+      c.max_coeff = p->get_double("max_coeff", 10.0, 0.0);
+      c.min_coeff = p->get_double("min_coeff", 0.01, 0.0);
+      if (c.min_coeff > c.max_coeff) p->error("min_coeff", concat(c.min_coeff, " is above max_coeff ", c.max_coeff));
+      c.eps_inside_sqrt = p->get_bool("eps_inside_sqrt", false);
+      if (p->has("max_grad_norm")) {
+        p->error("max_grad_norm", "is not an optimizer parameter (as in DeepSpeed); use the top-level gradient_clipping");
+      }
+    } else {
+      c.adam_w_mode = p->get_bool("adam_w_mode", true);
+      if (c.type == "AdamW" && !c.adam_w_mode) {
+        p->error("adam_w_mode", "AdamW always decouples weight decay; use type Adam for L2 decay");
+      }
+      p->accept("torch_adam");
+      p->accept("fused");
     }
-    p->accept("torch_adam");
-    p->accept("fused");
     if (p->get_bool("amsgrad", false)) p->error("amsgrad", "AMSGrad is not supported");
   }
   p->finish();
@@ -180,11 +193,12 @@ void read_aio(JsonReader& r, AioConfig& c) {
   c.queue_depth = r.get_int("queue_depth", 8, 1, 4096);
   auto a = r.get_opt_int("intra_op_parallelism", 1, 1024);
   auto b = r.get_opt_int("thread_count", 1, 1024);
+  // DeepSpeed's aio handle runs intra_op_parallelism threads, each with queue_depth requests in
+  // flight; one io_uring ring keeps the same number in flight from one thread (offload/aio.h).
   c.intra_op_parallelism = a ? *a : b ? *b : 1;
-  if (c.intra_op_parallelism != 1) {
+  if (c.queue_depth * c.intra_op_parallelism > 4096) {
     r.error(a ? "intra_op_parallelism" : "thread_count",
-            "torchspeed keeps queue_depth requests in flight from one thread through io_uring; raise queue_depth "
-            "instead of using several submitting threads (only 1 is available)");
+            concat("queue_depth ", c.queue_depth, " x ", c.intra_op_parallelism, " requests in flight is over 4096"));
   }
   c.single_submit = r.get_bool("single_submit", false);
   c.overlap_events = r.get_bool("overlap_events", true);
@@ -269,8 +283,13 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
   if (r.get_bool("cpu_offload_use_pin_memory", false)) {
     c.offload_optimizer.pin_memory = c.offload_param.pin_memory = true;
   }
-  if (c.offload_param.enabled() && c.stage != 3) {
-    r.error("offload_param", "parameter offload needs ZeRO stage 3");
+  if (c.offload_param.enabled() && c.stage != 3) {  // DeepSpeed reads it at stage 3 only
+    r.warn("offload_param", concat("ignored at ZeRO stage ", c.stage, ", as DeepSpeed ignores it: only stage 3 "
+                                   "partitions (and offloads) parameters"));
+    c.offload_param = OffloadConfig();
+  }
+  if (r.has("zenflow")) {
+    r.error("zenflow", "ZenFlow (stale-gradient offloaded updates) is not available in torchspeed; remove the section");
   }
   if (c.offload_optimizer.enabled() && c.stage == 0) {
     r.error("offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3");
@@ -403,6 +422,142 @@ void resolve_batch(Config& c, std::optional<int64_t> train, std::optional<int64_
   c.gradient_accumulation_steps = *gas;
 }
 
+// Note ["auto" values]
+// Hugging Face configs leave values to the Trainer as "auto", which transformers'
+// HfTrainerDeepSpeedConfig fills from TrainingArguments before DeepSpeed sees the config
+// (DeepSpeed itself drops "auto" inside its pydantic sections, taking the default, and fails on
+// the top-level ones). We do the same, saying for each key what it became (a warning):
+//  - batch sizes: an "auto" one is derived from the ones given and the world size; when neither
+//    train_batch_size nor the micro-batch is given, the micro-batch is per_device_train_batch_size
+//    (and an "auto" accumulation gradient_accumulation_steps);
+//  - gradient_clipping, optimizer lr/betas/eps/weight_decay, scheduler warmup_min_lr (0),
+//    warmup_max_lr (the learning rate), warmup_num_steps, total_num_steps (max_steps: an error
+//    when unknown), fp16/bf16.enabled: from AutoValues;
+//  - ZeRO's reduce_bucket_size, stage3_prefetch_bucket_size and
+//    stage3_param_persistence_threshold from the hidden size (h*h, 0.9*h*h, 10*h), as the Trainer;
+//  - any other "auto" inside a section DeepSpeed validates with pydantic (zero_optimization,
+//    fp16, bf16, the monitors, tensor_parallel, compile): DeepSpeed's default;
+//  - anywhere else: an error naming the key.
+void resolve_auto(nlohmann::json& j, const AutoValues& a, Diagnostics& diag) {
+  auto is_auto = [](const nlohmann::json& o, const std::string& k) {
+    return o.is_object() && o.contains(k) && o.at(k).is_string() && o.at(k).get<std::string>() == "auto";
+  };
+  auto fill = [&](nlohmann::json& o, const std::string& path, const std::string& k, const nlohmann::json& v,
+                  const std::string& from) {
+    if (!is_auto(o, k)) return;
+    o[k] = v;
+    diag.warnings.push_back(concat(path.empty() ? "" : path + ".", k, ": \"auto\" -> ", v.dump(), " (", from, ")"));
+  };
+  auto drop = [&](nlohmann::json& o, const std::string& path, const std::string& k, const std::string& why) {
+    if (!is_auto(o, k)) return;
+    o.erase(k);
+    diag.warnings.push_back(concat(path.empty() ? "" : path + ".", k, ": \"auto\" -> ", why));
+  };
+  const std::string hf = a.source;
+  // Batch sizes.
+  std::vector<std::string> batch_autos;
+  for (const char* k : {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}) {
+    if (is_auto(j, k)) batch_autos.push_back(k);
+  }
+  if (!batch_autos.empty()) {
+    const bool gas_auto = is_auto(j, "gradient_accumulation_steps");
+    for (const auto& k : batch_autos) j.erase(k);
+    if (!j.contains("train_batch_size") && !j.contains("train_micro_batch_size_per_gpu")) {
+      j["train_micro_batch_size_per_gpu"] = "auto";
+      fill(j, "", "train_micro_batch_size_per_gpu", a.per_device_train_batch_size, hf + " per_device_train_batch_size");
+      if (gas_auto) {
+        j["gradient_accumulation_steps"] = "auto";
+        fill(j, "", "gradient_accumulation_steps", a.gradient_accumulation_steps, hf + " gradient_accumulation_steps");
+      }
+    }
+    for (const auto& k : batch_autos) {
+      if (!j.contains(k)) diag.warnings.push_back(concat(k, ": \"auto\" -> derived from the other batch sizes and the world size"));
+    }
+  }
+  fill(j, "", "gradient_clipping", a.max_grad_norm, hf + " max_grad_norm");
+  for (const char* s : {"fp16", "bf16", "bfloat16"}) {
+    if (j.contains(s) && j[s].is_object()) {
+      fill(j[s], s, "enabled", std::string(s) == "fp16" ? a.fp16 : a.bf16, hf + (std::string(s) == "fp16" ? " fp16" : " bf16"));
+    }
+  }
+  if (j.contains("optimizer") && j["optimizer"].is_object() && j["optimizer"].contains("params") &&
+      j["optimizer"]["params"].is_object()) {
+    auto& p = j["optimizer"]["params"];
+    fill(p, "optimizer.params", "lr", a.learning_rate, hf + " learning_rate");
+    fill(p, "optimizer.params", "weight_decay", a.weight_decay, hf + " weight_decay");
+    fill(p, "optimizer.params", "betas", nlohmann::json::array({a.adam_beta1, a.adam_beta2}), hf + " adam_beta1, adam_beta2");
+    fill(p, "optimizer.params", "eps", a.adam_epsilon, hf + " adam_epsilon");
+  }
+  if (j.contains("scheduler") && j["scheduler"].is_object() && j["scheduler"].contains("params") &&
+      j["scheduler"]["params"].is_object()) {
+    auto& p = j["scheduler"]["params"];
+    double lr = a.learning_rate;
+    if (j.contains("optimizer") && j["optimizer"].is_object() && j["optimizer"].contains("params") &&
+        j["optimizer"]["params"].is_object() && j["optimizer"]["params"].contains("lr") &&
+        j["optimizer"]["params"]["lr"].is_number()) {
+      lr = j["optimizer"]["params"]["lr"].get<double>();
+    }
+    fill(p, "scheduler.params", "warmup_min_lr", 0.0, "as the Hugging Face Trainer");
+    fill(p, "scheduler.params", "warmup_max_lr", lr, "the optimizer's learning rate");
+    fill(p, "scheduler.params", "warmup_num_steps", a.warmup_steps, hf + " warmup_steps");
+    if (a.max_steps) {
+      fill(p, "scheduler.params", "total_num_steps", *a.max_steps, "the number of training steps");
+    } else if (is_auto(p, "total_num_steps")) {
+      diag.errors.push_back("scheduler.params.total_num_steps: \"auto\" needs the number of training steps, which only "
+                            "a trainer knows (torchspeed train takes train.steps); give a number");
+      p["total_num_steps"] = 1;  // reported: the parse fails, and the reader adds no second error
+    }
+  }
+  if (j.contains("zero_optimization") && j["zero_optimization"].is_object()) {
+    auto& z = j["zero_optimization"];
+    const bool stage3 = z.contains("stage") && z["stage"].is_number_integer() && z["stage"].get<int>() == 3;
+    if (a.hidden_size) {
+      const int64_t h = *a.hidden_size;
+      fill(z, "zero_optimization", "reduce_bucket_size", h * h, "hidden size squared, as the Hugging Face Trainer");
+      if (stage3) {
+        fill(z, "zero_optimization", "stage3_prefetch_bucket_size", static_cast<int64_t>(0.9 * static_cast<double>(h * h)),
+             "0.9 x hidden size squared, as the Hugging Face Trainer");
+        fill(z, "zero_optimization", "stage3_param_persistence_threshold", 10 * h,
+             "10 x hidden size, as the Hugging Face Trainer");
+      }
+    }
+  }
+  // What is left: DeepSpeed's default inside its pydantic sections, else an error.
+  std::function<void(nlohmann::json&, const std::string&, bool)> rest = [&](nlohmann::json& o, const std::string& path,
+                                                                           bool defaults) {
+    if (!o.is_object()) return;
+    std::vector<std::string> keys;
+    for (const auto& item : o.items()) keys.push_back(item.key());
+    for (const auto& k : keys) {
+      if (is_auto(o, k)) {
+        if (defaults) {
+          drop(o, path, k, "DeepSpeed's default, as DeepSpeed reads \"auto\" in this section");
+        } else {
+          diag.errors.push_back(concat(path.empty() ? "" : path + ".", k,
+                                       ": \"auto\" cannot be derived here; give a value"));
+          o.erase(k);
+        }
+      } else {
+        rest(o[k], path.empty() ? k : path + "." + k, defaults);
+      }
+    }
+  };
+  std::vector<std::string> top;
+  for (const auto& item : j.items()) top.push_back(item.key());
+  static const std::set<std::string> pydantic = {"zero_optimization", "fp16", "bf16", "bfloat16", "tensorboard",
+                                                 "csv_monitor", "wandb", "comet", "tensor_parallel", "compile",
+                                                 "comms_logger"};
+  for (const auto& k : top) {
+    if (k == "pipeline" || k == "model" || k == "data" || k == "train") continue;  // their readers say
+    if (j[k].is_object()) {
+      rest(j[k], k, pydantic.count(k) > 0);
+    } else if (is_auto(j, k)) {
+      diag.errors.push_back(concat(k, ": \"auto\" cannot be derived here; give a value"));
+      j.erase(k);
+    }
+  }
+}
+
 std::string line_col(const std::string& text, size_t byte) {
   size_t line = 1, col = 1;
   for (size_t i = 0; i < byte && i < text.size(); ++i) {
@@ -439,17 +594,21 @@ double SchedulerConfig::param(const std::string& name) const {
   return it->second;
 }
 
-Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
+Config Config::parse(const nlohmann::json& source, const WorldShape& world, const AutoValues& autos) {
   Diagnostics diag;
   Config c;
-  c.source = j;
-  if (!j.is_object()) throw ConfigError({concat("(root): expected a JSON object, found ", json_type_name(j))});
+  c.source = source;
+  if (!source.is_object()) throw ConfigError({concat("(root): expected a JSON object, found ", json_type_name(source))});
+  nlohmann::json j = source;
+  resolve_auto(j, autos, diag);
   JsonReader r(j, "", diag);
 
   // torchspeed's own section first: it decides whether unknown keys are errors.
   if (auto t = r.child("torchspeed")) {
-    c.torchspeed.unknown_keys = t->get_string("unknown_keys", "error", {"error", "warn"});
-    diag.unknown_keys_are_errors = c.torchspeed.unknown_keys == "error";
+    c.torchspeed.unknown_keys = t->get_string("unknown_keys", "typos", {"typos", "error", "warn"});
+    diag.unknown_keys = c.torchspeed.unknown_keys == "error"  ? Diagnostics::UnknownKeys::kError
+                        : c.torchspeed.unknown_keys == "warn" ? Diagnostics::UnknownKeys::kWarn
+                                                              : Diagnostics::UnknownKeys::kTypos;
     c.torchspeed.intra_op_threads = static_cast<int>(t->get_int("intra_op_threads", 0, 0, 4096));
     c.torchspeed.comm_timeout_s = t->get_double("comm_timeout_s", 600.0, 1e-3);
     c.torchspeed.comm_chunk_bytes = t->get_int("comm_chunk_bytes", 1 << 20, 4096, int64_t{1} << 30);
@@ -475,6 +634,11 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
   for (const char* key : {"bf16", "bfloat16"}) {
     if (auto s = r.child(key)) {
       c.bf16.enabled = s->get_bool("enabled", false);
+      only(*s, "bf16_master_weights_and_grads", false, false,
+           "torchspeed keeps fp32 master weights and gradient accumulation for bf16 training; bf16 masters are "
+           "not available");
+      only(*s, "bf16_optimizer_states", false, false,
+           "torchspeed keeps the optimizer states in fp32; bf16 optimizer states are not available");
       s->accept("immediate_grad_update");
       s->accept("check_grad_overflow");
       s->finish();
@@ -528,12 +692,33 @@ Config Config::parse(const nlohmann::json& j, const WorldShape& world) {
       r.error(name, concat("enabled: expected a boolean, found ", json_type_name(*flag)));
       continue;
     }
+    // Sections such as compression_training enable their parts one by one: any "enabled": true
+    // inside counts.
+    std::string inner;
+    std::function<void(const nlohmann::json&, const std::string&)> find_enabled = [&](const nlohmann::json& o,
+                                                                                     const std::string& path) {
+      if (!o.is_object() || !inner.empty()) return;
+      for (const auto& [k, sub] : o.items()) {
+        if (k == "enabled" && sub.is_boolean() && sub.get<bool>() && !path.empty()) inner = path + ".enabled";
+        find_enabled(sub, path.empty() ? k : path + "." + k);
+      }
+    };
+    find_enabled(*v, "");
     const bool enabled = flag && flag->get<bool>();
     if (enabled) {
       r.error(name, "is a DeepSpeed feature torchspeed does not have; remove the section or set "
                     "\"enabled\": false");
+    } else if (!inner.empty()) {
+      r.error(name, concat(inner, " is true: ", name, " is a DeepSpeed feature torchspeed does not have"));
     } else {
       r.warn(name, "is a DeepSpeed feature torchspeed does not have; ignored (not enabled)");
+    }
+  }
+  if (const auto* v = r.raw("compile")) {  // DeepSpeed's CompileConfig: DeepCompile's switches
+    if (v->is_object() && v->value("deepcompile", false) == true) {
+      r.error("compile", "deepcompile: DeepCompile (torch.compile graph passes) is not available in torchspeed");
+    } else {
+      r.warn("compile", "configures DeepCompile, which torchspeed does not have; ignored (deepcompile is off)");
     }
   }
   for (const auto& name : kIgnoredFlags) {
@@ -590,10 +775,10 @@ nlohmann::json read_json_file(const std::string& path) {
   }
 }
 
-Config Config::load(const std::string& path, const WorldShape& world) {
+Config Config::load(const std::string& path, const WorldShape& world, const AutoValues& autos) {
   nlohmann::json j = read_json_file(path);
   try {
-    return parse(j, world);
+    return parse(j, world, autos);
   } catch (const ConfigError& e) {
     std::vector<std::string> errs;
     for (const auto& m : e.errors()) errs.push_back(concat(path, ": ", m));
@@ -649,7 +834,13 @@ nlohmann::json Config::to_json() const {
       p["betas"] = optimizer.betas;
       p["eps"] = optimizer.eps;
       p["bias_correction"] = optimizer.bias_correction;
-      p["adam_w_mode"] = optimizer.adam_w_mode;
+      if (optimizer.type == "Lamb") {
+        p["max_coeff"] = optimizer.max_coeff;
+        p["min_coeff"] = optimizer.min_coeff;
+        p["eps_inside_sqrt"] = optimizer.eps_inside_sqrt;
+      } else {
+        p["adam_w_mode"] = optimizer.adam_w_mode;
+      }
     }
     j["optimizer"] = {{"type", optimizer.type}, {"params", p}};
   }

@@ -41,7 +41,7 @@ struct BF16Config {
 };
 
 struct OptimizerConfig {
-  std::string type;  // "" (none), "Adam", "AdamW", "SGD"
+  std::string type;  // "" (none), "Adam", "AdamW", "SGD", "Lamb"
   double lr = 1e-3;
   std::vector<double> betas{0.9, 0.999};
   double eps = 1e-8;
@@ -51,6 +51,8 @@ struct OptimizerConfig {
   double momentum = 0.0;    // SGD
   double dampening = 0.0;
   bool nesterov = false;
+  double max_coeff = 10.0, min_coeff = 0.01;  // Lamb's trust-ratio bounds
+  bool eps_inside_sqrt = false;               // Lamb: sqrt(v + eps) instead of sqrt(v) + eps
 };
 
 struct SchedulerConfig {
@@ -140,7 +142,10 @@ struct MonitorConfig {
 
 // torchspeed's own settings, under the "torchspeed" key.
 struct TorchspeedConfig {
-  std::string unknown_keys = "error";  // "warn": lenient mode for configs with foreign keys
+  // Keys nobody reads: "typos" (default) refuses the ones within a small edit distance of a
+  // known key (with it as the suggestion) and warns about the rest, which DeepSpeed ignores;
+  // "error" refuses every one; "warn" refuses none.
+  std::string unknown_keys = "typos";
   int intra_op_threads = 0;            // 0 = cores per rank
   double comm_timeout_s = 600.0;
   int64_t comm_chunk_bytes = 1 << 20;
@@ -151,6 +156,25 @@ struct WorldShape {
   int world_size = 1;
   int tp = 0;  // 0 = from the config (tensor_parallel.tp_size), else 1
   int pp = 0;  // 0 = from the config (pipeline.stages), else 1
+};
+
+// What fills a config's "auto" values, as the Hugging Face Trainer fills them from its
+// TrainingArguments (transformers' HfTrainerDeepSpeedConfig); the defaults are
+// TrainingArguments' own. `torchspeed train` takes max_steps from train.steps and hidden_size
+// from model.d_model. Config::parse says which value each "auto" became (warnings) and refuses an
+// "auto" it cannot resolve, naming the key and what must be given.
+struct AutoValues {
+  int64_t per_device_train_batch_size = 8;
+  int64_t gradient_accumulation_steps = 1;
+  double learning_rate = 5e-5;
+  double weight_decay = 0.0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
+  double max_grad_norm = 1.0;
+  int64_t warmup_steps = 0;
+  std::optional<int64_t> max_steps;    // scheduler total_num_steps
+  std::optional<int64_t> hidden_size;  // ZeRO bucket sizes (else DeepSpeed's defaults)
+  bool fp16 = false, bf16 = false;
+  std::string source = "Hugging Face TrainingArguments' default";
 };
 
 struct Config {
@@ -192,9 +216,11 @@ struct Config {
   nlohmann::json source;  // the config as written
 
   // Parses and resolves; throws ConfigError listing every problem found.
-  static Config parse(const nlohmann::json& j, const WorldShape& world = WorldShape());
+  static Config parse(const nlohmann::json& j, const WorldShape& world = WorldShape(),
+                      const AutoValues& autos = AutoValues());
   // Reads a file (JSON errors name the file, line and column) and parses it.
-  static Config load(const std::string& path, const WorldShape& world = WorldShape());
+  static Config load(const std::string& path, const WorldShape& world = WorldShape(),
+                     const AutoValues& autos = AutoValues());
 
   // Throws when the config gave no batch size (training needs one).
   void check_batch_sizes() const;

@@ -201,14 +201,17 @@ void JsonReader::finish() {
   std::vector<std::string> candidates(known_.begin(), known_.end());
   for (const auto& item : j_.items()) {
     if (known_.count(item.key())) continue;
-    std::string near = nearest_key(item.key(), candidates);
-    std::string msg = concat("unknown key",
-                          near.empty() ? std::string() : concat("; did you mean \"", near, "\"?"),
-                          diag_.unknown_keys_are_errors
-                              ? " (set \"torchspeed\": {\"unknown_keys\": \"warn\"} to accept "
-                                "unknown keys)"
-                              : " (ignored)");
-    if (diag_.unknown_keys_are_errors) error(item.key(), msg); else warn(item.key(), msg);
+    const std::string near = nearest_key(item.key(), candidates);
+    using UK = Diagnostics::UnknownKeys;
+    if (!near.empty() && diag_.unknown_keys != UK::kWarn) {
+      error(item.key(), concat("unknown key; did you mean \"", near, "\"? (a key this close to a known one is taken for a "
+                               "typo; \"torchspeed\": {\"unknown_keys\": \"warn\"} accepts it)"));
+    } else if (diag_.unknown_keys == UK::kError) {
+      error(item.key(), "unknown key (\"torchspeed\": {\"unknown_keys\": \"error\"} refuses every unknown key)");
+    } else {
+      warn(item.key(), concat("unknown key, ignored as DeepSpeed ignores it",
+                              near.empty() ? std::string() : concat(" (did you mean \"", near, "\"?)")));
+    }
   }
 }
 

@@ -18,7 +18,10 @@ namespace torchspeed::config {
 struct Diagnostics {
   std::vector<std::string> errors;
   std::vector<std::string> warnings;
-  bool unknown_keys_are_errors = true;  // false in lenient mode
+  // Keys nobody reads (TorchspeedConfig::unknown_keys): kTypos refuses those near a known key and
+  // warns about the rest; kError refuses all, kWarn none.
+  enum class UnknownKeys { kTypos, kError, kWarn };
+  UnknownKeys unknown_keys = UnknownKeys::kTypos;
 };
 
 // Edit distance between two keys (for "did you mean").

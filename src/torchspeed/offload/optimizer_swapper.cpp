@@ -199,7 +199,7 @@ SwapStats OptimizerSwapper::stats() const {
 AioOptions aio_options_of(const config::Config& c) {
   AioOptions o;
   o.block_size(c.aio.block_size)
-      .queue_depth(static_cast<int>(c.aio.queue_depth))
+      .queue_depth(static_cast<int>(c.aio.queue_depth * c.aio.intra_op_parallelism))  // every thread's requests
       .single_submit(c.aio.single_submit)
       .overlap_events(c.aio.overlap_events);
   return o;

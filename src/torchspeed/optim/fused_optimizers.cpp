@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -183,6 +184,93 @@ void write_params(const float* src, int64_t n, void* out, ParamOut k) {
       case ParamOut::kFP32: write_range<ParamOut::kFP32>(src, b, e, out); break;
       case ParamOut::kBF16: write_range<ParamOut::kBF16>(src, b, e, out); break;
       case ParamOut::kFP16Values: write_range<ParamOut::kFP16Values>(src, b, e, out); break;
+    }
+  });
+}
+
+namespace {
+struct LambConsts {
+  float scale, b1, one_minus_b1, b2, one_minus_b2, eps, wd;
+  bool eps_inside;
+};
+
+inline float lamb_update(float p, float m, float v, const LambConsts& c) {
+  const float denom = c.eps_inside ? std::sqrt(v + c.eps) : std::sqrt(v) + c.eps;
+  return m / denom + c.wd * p;
+}
+
+template <bool kBf16>
+TS_CLONES LambNorms lamb_moments_range(const float* p, const void* grad, float* m, float* v, int64_t b, int64_t e,
+                                       const LambConsts& c) {
+  double w = 0.0, u = 0.0;
+  for (int64_t i = b; i < e; ++i) {
+    const float g = load_grad<kBf16>(grad, i) * c.scale;
+    const float mi = m[i] * c.b1 + c.one_minus_b1 * g;
+    const float vi = v[i] * c.b2 + c.one_minus_b2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float ui = lamb_update(p[i], mi, vi, c);
+    w += static_cast<double>(p[i]) * p[i];
+    u += static_cast<double>(ui) * ui;
+  }
+  return {w, u};
+}
+
+template <ParamOut kOut>
+TS_CLONES void lamb_apply_range(float* p, const float* m, const float* v, int64_t b, int64_t e, const LambConsts& c,
+                                float neg_step, void* out) {
+  for (int64_t i = b; i < e; ++i) {
+    const float pi = p[i] + neg_step * lamb_update(p[i], m[i], v[i], c);
+    p[i] = pi;
+    store_out<kOut>(out, i, pi);
+  }
+}
+
+LambConsts lamb_consts(const LambHyper& h, float grad_scale) {
+  return {grad_scale,
+          static_cast<float>(h.beta1),
+          static_cast<float>(1.0 - h.beta1),
+          static_cast<float>(h.beta2),
+          static_cast<float>(1.0 - h.beta2),
+          static_cast<float>(h.eps),
+          static_cast<float>(h.weight_decay),
+          h.eps_inside_sqrt};
+}
+}  // namespace
+
+LambNorms lamb_moments(const float* p, const void* grad, at::ScalarType grad_dtype, float grad_scale, float* m,
+                       float* v, int64_t n, const LambHyper& h) {
+  check_grad_dtype(grad_dtype);
+  const LambConsts c = lamb_consts(h, grad_scale);
+  const bool bf16 = grad_dtype == at::kBFloat16;
+  return at::parallel_reduce(
+      0, n, kGrain, LambNorms{},
+      [&](int64_t b, int64_t e, LambNorms acc) {
+        const LambNorms r = bf16 ? lamb_moments_range<true>(p, grad, m, v, b, e, c)
+                                 : lamb_moments_range<false>(p, grad, m, v, b, e, c);
+        return LambNorms{acc.w_sq + r.w_sq, acc.u_sq + r.u_sq};
+      },
+      [](LambNorms a, LambNorms b) { return LambNorms{a.w_sq + b.w_sq, a.u_sq + b.u_sq}; });
+}
+
+double lamb_coeff(const LambNorms& whole, const LambHyper& h) {
+  const double w = std::sqrt(whole.w_sq), u = std::sqrt(whole.u_sq);
+  if (w == 0.0 || u == 0.0) return 1.0;
+  return std::max(h.min_coeff, std::min(h.max_coeff, w / u));
+}
+
+void lamb_apply(float* p, const float* m, const float* v, int64_t n, const LambHyper& h, double coeff, void* out,
+                ParamOut out_kind) {
+  const LambConsts c = lamb_consts(h, 1.0f);
+  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, static_cast<double>(h.step)) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, static_cast<double>(h.step)) : 1.0;
+  const float neg_step = static_cast<float>(-h.lr * std::sqrt(bc2) / bc1 * coeff);
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    switch (out_kind) {
+      case ParamOut::kNone: return lamb_apply_range<ParamOut::kNone>(p, m, v, b, e, c, neg_step, out);
+      case ParamOut::kFP32: return lamb_apply_range<ParamOut::kFP32>(p, m, v, b, e, c, neg_step, out);
+      case ParamOut::kBF16: return lamb_apply_range<ParamOut::kBF16>(p, m, v, b, e, c, neg_step, out);
+      case ParamOut::kFP16Values: return lamb_apply_range<ParamOut::kFP16Values>(p, m, v, b, e, c, neg_step, out);
     }
   });
 }

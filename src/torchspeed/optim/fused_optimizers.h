@@ -40,6 +40,31 @@ void adam_step(float* p, const void* grad, at::ScalarType grad_dtype, float grad
 void sgd_step(float* p, const void* grad, at::ScalarType grad_dtype, float grad_scale,
               float* momentum_buf, int64_t n, const SgdHyper& h, void* out, ParamOut out_kind);
 
+// DeepSpeed's FusedLamb (deepspeed/ops/lamb), per parameter tensor:
+//   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  u = m / (sqrt(v) + eps) + wd p   (eps_inside_sqrt:
+//   m / sqrt(v + eps));  coeff = ||p|| / ||u|| clamped to [min_coeff, max_coeff], 1 when either norm
+//   is zero;  p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * coeff * u  (bias correction only in the step).
+// A tensor may be cut across pieces and ranks, so the update runs in two passes: lamb_moments
+// over each range of a tensor (its sums of squares are added up, across ranks too), then
+// lamb_apply with the whole tensor's coefficient.
+struct LambHyper {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  double max_coeff = 10.0, min_coeff = 0.01;
+  bool bias_correction = true, eps_inside_sqrt = false;
+  int64_t step = 1;
+};
+struct LambNorms {
+  double w_sq = 0.0, u_sq = 0.0;  // sums of squares of the parameter and of the update u
+};
+// Updates m and v of [0, n) (one tensor's range); returns its share of the two norms.
+LambNorms lamb_moments(const float* p, const void* grad, at::ScalarType grad_dtype, float grad_scale, float* m,
+                       float* v, int64_t n, const LambHyper& h);
+// The trust ratio from a whole tensor's sums.
+double lamb_coeff(const LambNorms& whole, const LambHyper& h);
+// p -= step_size * coeff * u over [0, n), u from the updated m and v; out as in adam_step.
+void lamb_apply(float* p, const float* m, const float* v, int64_t n, const LambHyper& h, double coeff, void* out,
+                ParamOut out_kind);
+
 // Sum of squares of grad[0..n) accumulated in fp64: the clipping norm's share of this
 // partition; inf or NaN when any element is (overflow detection in the same pass).
 double sum_squares(const void* grad, at::ScalarType grad_dtype, int64_t n);

@@ -26,7 +26,7 @@ precision::LossScaler loss_scaler_of(const config::Config& c) {
 
 OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<ParamGroup>& groups) {
   TS_CHECK(!c.optimizer.type.empty(),
-           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW or SGD)");
+           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW, SGD or Lamb)");
   OptimizerSpec s;
   s.type = c.optimizer.type;
   s.adam.lr = c.optimizer.lr;
@@ -41,6 +41,15 @@ OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<Param
   s.sgd.dampening = c.optimizer.dampening;
   s.sgd.weight_decay = c.optimizer.weight_decay;
   s.sgd.nesterov = c.optimizer.nesterov;
+  s.lamb.lr = c.optimizer.lr;
+  s.lamb.beta1 = c.optimizer.betas.at(0);
+  s.lamb.beta2 = c.optimizer.betas.at(1);
+  s.lamb.eps = c.optimizer.eps;
+  s.lamb.weight_decay = c.optimizer.weight_decay;
+  s.lamb.bias_correction = c.optimizer.bias_correction;
+  s.lamb.max_coeff = c.optimizer.max_coeff;
+  s.lamb.min_coeff = c.optimizer.min_coeff;
+  s.lamb.eps_inside_sqrt = c.optimizer.eps_inside_sqrt;
   for (const auto& g : groups) s.groups.push_back(g.options);
   return s;
 }

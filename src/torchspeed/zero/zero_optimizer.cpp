@@ -119,8 +119,8 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
                              bool sharded)
     : dp_(std::move(dp)), options_(std::move(options)), opt_(std::move(opt)), strategy_(strategy), sharded_(sharded) {
   TS_CHECK(dp_, "ZeroOptimizer needs a data-parallel communicator");
-  TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD",
-           "optimizer.type: torchspeed has Adam, AdamW and SGD, got '", opt_.type, "'");
+  TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD" || opt_.type == "Lamb",
+           "optimizer.type: torchspeed has Adam, AdamW, SGD and Lamb, got '", opt_.type, "'");
   dp_size_ = dp_->size();
   dp_rank_ = dp_->rank();
   accum_dtype_ = options_.grad_accum_dtype();
@@ -471,6 +471,15 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   }
   const float grad_scale = static_cast<float>(clip_coef / loss_scale);
   ++step_count_;
+  if (opt_.type == "Lamb") {
+    lamb_update(grad_scale, lr);
+    timings_.optimizer_s += seconds_since(t1);
+    auto t2 = Clock::now();
+    gather_updated();
+    timings_.allgather_s += seconds_since(t2);
+    zero_grad();
+    return result;
+  }
   const optim::ParamOut out_kind = param_out(/*master_is_param=*/!has_master_);
   const double base_lr = opt_.type == "SGD" ? opt_.sgd.lr : opt_.adam.lr;
   const size_t km = has_master_ ? 1 : 0;  // index of the first moment in kinds_

@@ -86,9 +86,10 @@ struct ParamGroupOptions {
 };
 
 struct OptimizerSpec {
-  std::string type = "AdamW";  // Adam, AdamW, SGD
+  std::string type = "AdamW";  // Adam, AdamW, SGD, Lamb
   optim::AdamHyper adam;
   optim::SgdHyper sgd;
+  optim::LambHyper lamb;
   // Groups 1..n (NamedParam::group); group 0 is the optimizer's own hyperparameters.
   std::vector<ParamGroupOptions> groups;
 };
@@ -287,6 +288,9 @@ class ZeroOptimizer {
   // place (kNone) unless the masters are a separate copy (restoring a checkpoint).
   optim::ParamOut param_out(bool master_is_param) const;
   void gather_updated();
+  // Lamb's two passes over the partition, its per-tensor norms summed across the data-parallel
+  // group in between (zero/lamb_update.cpp).
+  void lamb_update(float grad_scale, double lr);
 
   // import_partition's work once the kinds marked in `have` are already in the resident store.
   void import_from(const PartitionReader& read, const std::vector<bool>& have, int64_t steps);
