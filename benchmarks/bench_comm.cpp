@@ -1,6 +1,6 @@
 // `torchspeed bench comm`: all_reduce, reduce_scatter and all_gather through Communicator beside
 // the same raw MPI calls, interleaved in one run, 4 KiB to 256 MiB; bf16 all_reduce beside fp32
-// in elements per second. The raw baseline is the only place outside comm/ that calls MPI.
+// in elements per second; the 1-bit compressed all-reduce beside fp32 from 1 MiB. The raw baseline is the only place outside comm/ that calls MPI.
 #include <mpi.h>
 
 #include <ATen/ATen.h>
@@ -13,6 +13,7 @@
 
 #include "bench_report.h"
 #include "torchspeed/comm/communicator.h"
+#include "torchspeed/comm/compressed.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/runtime.h"
 
@@ -142,6 +143,33 @@ int run_comm(const BenchArgs& args) {
     if (bytes >= (int64_t{16} << 20)) {
       report.add_target(concat("all_reduce bf16 / fp32 elements per second, ", n, " elements"),
                         t32 / t16, 1.5);
+    }
+    // 1-bit Adam's compressed all-reduce (comm/compressed.h) beside the fp32 one, same elements:
+    // time, and the bytes each rank sent as the communicator counts them.
+    if (bytes >= (1 << 20)) {
+      comm::OneBitAllReduce onebit(world, n);
+      at::Tensor cb = at::randn({n});
+      const auto s0 = world->stats();
+      onebit.run(cb);
+      const auto s1 = world->stats();
+      world->all_reduce(ar);
+      const auto s2 = world->stats();
+      auto sent = [](const comm::CommStats& a, const comm::CommStats& b) {
+        int64_t d = 0;
+        for (const auto& [op, st] : b) d += st.sent - (a.count(op) ? a.at(op).sent : 0);
+        return d;
+      };
+      const int64_t sent_1bit = sent(s0, s1), sent_fp32 = sent(s1, s2);
+      auto pair1 = measure_pair(fns[0], [&] { onebit.run(cb); }, args.quick);
+      const double tf = median(pair1[0]), tc = median(pair1[1]);
+      report.add_result({{"op", "all_reduce"}, {"dtype", "1-bit"}, {"bytes", bytes}, {"elements", n},
+                         {"impl", "torchspeed"}, {"seconds_median", tc}, {"seconds", pair1[1]},
+                         {"fp32_seconds_median", tf}, {"bytes_sent", sent_1bit}, {"fp32_bytes_sent", sent_fp32}});
+      if (root) {
+        std::printf("%-15s %9s %12.6f %12s %9s %9s %7.2f  (1-bit vs fp32 time; sent %s vs %s per rank)\n",
+                    "all_reduce 1bit", human(bytes).c_str(), tc, "-", "-", "-", tf / tc,
+                    concat(sent_1bit >> 10, " KiB").c_str(), concat(sent_fp32 >> 10, " KiB").c_str());
+      }
     }
   }
   for (int op = 0; op < 3; ++op) {

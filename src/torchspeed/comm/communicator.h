@@ -64,10 +64,14 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
-// Counts of what this rank asked the communicator to move (payload bytes of the tensors).
+// Counts of what this rank asked the communicator to move (payload bytes of the tensors), and
+// the bytes it sent to peers doing so: all_reduce 2 (p-1)/p of the tensor (whole to each peer
+// when small), reduce_scatter (p-1)/p of its input, all_gather its input to each peer, send the
+// tensor; broadcast counts the root's one copy (MPI's own tree).
 struct OpStats {
   int64_t ops = 0;
   int64_t bytes = 0;
+  int64_t sent = 0;
 };
 using CommStats = std::map<std::string, OpStats>;  // by op name ("all_reduce", ...)
 

@@ -243,35 +243,36 @@ class MpiCommunicator final : public Communicator {
 
  protected:
   WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op, Mode mode) override {
-    count(kAllReduce, bytes_of(t));
+    const int64_t b = bytes_of(t), peers = size() - 1;  // one phase: whole tensor to each peer
+    count(kAllReduce, b, b * peers <= algo_.one_phase_bytes ? b * peers : 2 * b * peers / size());
     return submit(detail::make_all_reduce(algo_, describe_op(kAllReduce, t, op), t, op), {t},
                   mode);
   }
 
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op,
                             Mode mode) override {
-    count(kReduceScatter, bytes_of(in));
+    count(kReduceScatter, bytes_of(in), bytes_of(in) * (size() - 1) / size());
     return submit(
         detail::make_reduce_scatter(algo_, describe_op(kReduceScatter, in, op), in, out, op),
         {out}, mode);
   }
 
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out, Mode mode) override {
-    count(kAllGather, bytes_of(out));
+    count(kAllGather, bytes_of(out), bytes_of(in) * (size() - 1));
     return submit(
         detail::make_all_gather(algo_, describe_op(kAllGather, in, std::nullopt), in, out),
         {out}, mode);
   }
 
   WorkPtr do_broadcast(const at::Tensor& t, int root, Mode mode) override {
-    count(kBroadcast, bytes_of(t));
+    count(kBroadcast, bytes_of(t), rank() == root ? bytes_of(t) : 0);  // MPI's tree: at least the root's copy
     return submit(
         detail::make_broadcast(algo_, describe_op(kBroadcast, t, std::nullopt), t, root), {t},
         mode);
   }
 
   WorkPtr do_barrier(Mode mode) override {
-    count(kBarrier, 0);
+    count(kBarrier, 0, 0);
     OpDesc d;
     d.op = kOpNames[kBarrier];
     d.group = group_suffix_;
@@ -279,12 +280,12 @@ class MpiCommunicator final : public Communicator {
   }
 
   WorkPtr do_send(const at::Tensor& t, int dst, int tag) override {
-    count(kSend, bytes_of(t));
+    count(kSend, bytes_of(t), bytes_of(t));
     return p2p(describe_op(kSend, t, std::nullopt), t, dst, tag, /*is_send=*/true);
   }
 
   WorkPtr do_recv(const at::Tensor& t, int src, int tag) override {
-    count(kRecv, bytes_of(t));
+    count(kRecv, bytes_of(t), 0);
     return p2p(describe_op(kRecv, t, std::nullopt), t, src, tag, /*is_send=*/false);
   }
 
@@ -299,10 +300,11 @@ class MpiCommunicator final : public Communicator {
     return d;
   }
 
-  void count(OpKind op, int64_t bytes) {
+  void count(OpKind op, int64_t bytes, int64_t sent) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_[op].ops += 1;
     stats_[op].bytes += bytes;
+    stats_[op].sent += sent;
   }
 
   WorkPtr submit(std::unique_ptr<detail::Task> task, std::vector<at::Tensor> outputs, Mode mode) {

@@ -53,9 +53,10 @@ void read_optimizer(JsonReader& r, OptimizerConfig& c) {
   c.type = r.get_string("type", "", {"Adam", "AdamW", "SGD", "Lamb", "OneBitAdam", "ZeroOneAdam",
                                      "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD"});
   if (c.type.empty() && r.has("type") == false) r.error("type", "is required in an optimizer section");
-  if (c.type != "" && c.type != "Adam" && c.type != "AdamW" && c.type != "SGD" && c.type != "Lamb") {
+  if (c.type != "" && c.type != "Adam" && c.type != "AdamW" && c.type != "SGD" && c.type != "Lamb" &&
+      c.type != "OneBitAdam") {
     r.error("type", concat("\"", c.type, "\" is a DeepSpeed optimizer torchspeed does not have; "
-                        "use Adam, AdamW, SGD or Lamb"));
+                        "use Adam, AdamW, SGD, Lamb or OneBitAdam"));
   }
   auto p = r.child("params");
   if (!p) {
@@ -75,7 +76,21 @@ void read_optimizer(JsonReader& r, OptimizerConfig& c) {
     }
     c.eps = p->get_double("eps", 1e-8, 0.0);
     c.bias_correction = p->get_bool("bias_correction", true);
-    if (c.type == "Lamb") {  // deepspeed.ops.lamb.FusedLamb's parameters
+    if (c.type == "OneBitAdam") {  // deepspeed.runtime.fp16.onebit.adam.OnebitAdam's parameters
+      c.freeze_step = p->get_int("freeze_step", 100000, 0);
+      if (c.bias_correction && p->has("bias_correction")) {
+        p->warn("bias_correction", "1-bit Adam has no bias correction (DeepSpeed's OnebitAdam ignores this flag too)");
+      }
+      if (p->get_bool("eps_inside_sqrt", false)) {
+        p->warn("eps_inside_sqrt", "1-bit Adam adds eps outside the square root (DeepSpeed's OnebitAdam ignores this flag too)");
+      }
+      if (p->get_bool("cuda_aware", false)) p->warn("cuda_aware", "no effect: the buffers are in host memory");
+      // Every backend DeepSpeed names runs over torchspeed's MPI communicator.
+      p->get_string("comm_backend_name", "nccl", {"nccl", "mpi", "gloo", "compressed", "hccl"});
+      if (p->has("max_grad_norm")) {
+        p->error("max_grad_norm", "is not an optimizer parameter (as in DeepSpeed); use the top-level gradient_clipping");
+      }
+    } else if (c.type == "Lamb") {  // deepspeed.ops.lamb.FusedLamb's parameters
       c.max_coeff = p->get_double("max_coeff", 10.0, 0.0);
       c.min_coeff = p->get_double("min_coeff", 0.01, 0.0);
       if (c.min_coeff > c.max_coeff) p->error("min_coeff", concat(c.min_coeff, " is above max_coeff ", c.max_coeff));
@@ -660,6 +675,10 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
   if (auto s = r.child("optimizer")) read_optimizer(*s, c.optimizer);
   if (auto s = r.child("scheduler")) read_scheduler(*s, c.scheduler);
   if (auto s = r.child("zero_optimization")) read_zero(*s, c.zero);
+  if (c.optimizer.type == "OneBitAdam" && c.zero.stage != 0) {
+    r.error("optimizer", concat("type OneBitAdam needs zero_optimization.stage 0, got ", c.zero.stage,
+                                " (as in DeepSpeed, where 1-bit Adam is not compatible with ZeRO)"));
+  }
   if (auto s = r.child("aio")) read_aio(*s, c.aio);
   if (auto s = r.child("activation_checkpointing")) read_activation_checkpointing(*s, c.activation_checkpointing);
   if (auto s = r.child("pipeline")) read_pipeline(*s, c.pipeline);
@@ -834,7 +853,9 @@ nlohmann::json Config::to_json() const {
       p["betas"] = optimizer.betas;
       p["eps"] = optimizer.eps;
       p["bias_correction"] = optimizer.bias_correction;
-      if (optimizer.type == "Lamb") {
+      if (optimizer.type == "OneBitAdam") {
+        p["freeze_step"] = optimizer.freeze_step;
+      } else if (optimizer.type == "Lamb") {
         p["max_coeff"] = optimizer.max_coeff;
         p["min_coeff"] = optimizer.min_coeff;
         p["eps_inside_sqrt"] = optimizer.eps_inside_sqrt;

@@ -41,7 +41,7 @@ struct BF16Config {
 };
 
 struct OptimizerConfig {
-  std::string type;  // "" (none), "Adam", "AdamW", "SGD", "Lamb"
+  std::string type;  // "" (none), "Adam", "AdamW", "SGD", "Lamb", "OneBitAdam"
   double lr = 1e-3;
   std::vector<double> betas{0.9, 0.999};
   double eps = 1e-8;
@@ -53,6 +53,7 @@ struct OptimizerConfig {
   bool nesterov = false;
   double max_coeff = 10.0, min_coeff = 0.01;  // Lamb's trust-ratio bounds
   bool eps_inside_sqrt = false;               // Lamb: sqrt(v + eps) instead of sqrt(v) + eps
+  int64_t freeze_step = 100000;               // OneBitAdam: warm-up steps before compression
 };
 
 struct SchedulerConfig {

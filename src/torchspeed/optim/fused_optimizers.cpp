@@ -275,4 +275,45 @@ void lamb_apply(float* p, const float* m, const float* v, int64_t n, const LambH
   });
 }
 
+namespace {
+template <bool kBf16>
+TS_CLONES void onebit_momentum_range(const void* grad, float scale, float* m, int64_t b, int64_t e, float b1,
+                                     float one_minus_b1) {
+  for (int64_t i = b; i < e; ++i) m[i] = m[i] * b1 + one_minus_b1 * (load_grad<kBf16>(grad, i) * scale);
+}
+
+template <ParamOut kOut>
+TS_CLONES void onebit_apply_range(float* p, const float* m, const float* v, int64_t b, int64_t e, float neg_lr,
+                                  float eps, float wd, void* out) {
+  for (int64_t i = b; i < e; ++i) {
+    const float pi = p[i] + neg_lr * (m[i] / (std::sqrt(v[i]) + eps) + wd * p[i]);
+    p[i] = pi;
+    store_out<kOut>(out, i, pi);
+  }
+}
+}  // namespace
+
+void onebit_momentum(const void* grad, at::ScalarType grad_dtype, float grad_scale, float* m, int64_t n, double beta1) {
+  check_grad_dtype(grad_dtype);
+  const bool bf16 = grad_dtype == at::kBFloat16;
+  const float b1 = static_cast<float>(beta1), omb1 = static_cast<float>(1.0 - beta1);
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    if (bf16) onebit_momentum_range<true>(grad, grad_scale, m, b, e, b1, omb1);
+    else onebit_momentum_range<false>(grad, grad_scale, m, b, e, b1, omb1);
+  });
+}
+
+void onebit_apply(float* p, const float* m, const float* v, int64_t n, double lr, double eps, double weight_decay,
+                  void* out, ParamOut out_kind) {
+  const float neg_lr = static_cast<float>(-lr), e_ = static_cast<float>(eps), wd = static_cast<float>(weight_decay);
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    switch (out_kind) {
+      case ParamOut::kNone: return onebit_apply_range<ParamOut::kNone>(p, m, v, b, e, neg_lr, e_, wd, out);
+      case ParamOut::kFP32: return onebit_apply_range<ParamOut::kFP32>(p, m, v, b, e, neg_lr, e_, wd, out);
+      case ParamOut::kBF16: return onebit_apply_range<ParamOut::kBF16>(p, m, v, b, e, neg_lr, e_, wd, out);
+      case ParamOut::kFP16Values: return onebit_apply_range<ParamOut::kFP16Values>(p, m, v, b, e, neg_lr, e_, wd, out);
+    }
+  });
+}
+
 }  // namespace torchspeed::optim

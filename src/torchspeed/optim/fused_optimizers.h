@@ -65,6 +65,14 @@ double lamb_coeff(const LambNorms& whole, const LambHyper& h);
 void lamb_apply(float* p, const float* m, const float* v, int64_t n, const LambHyper& h, double coeff, void* out,
                 ParamOut out_kind);
 
+// DeepSpeed's OnebitAdam after its warm-up (deepspeed/runtime/fp16/onebit/adam.py): the local
+// momentum m = b1 m + (1 - b1) g, which the caller then replaces by its 1-bit average over the
+// data-parallel group; then p -= lr (m / (sqrt(v) + eps) + wd p) with v frozen since the warm-up
+// (no bias correction in either phase, as DeepSpeed's).
+void onebit_momentum(const void* grad, at::ScalarType grad_dtype, float grad_scale, float* m, int64_t n, double beta1);
+void onebit_apply(float* p, const float* m, const float* v, int64_t n, double lr, double eps, double weight_decay,
+                  void* out, ParamOut out_kind);
+
 // Sum of squares of grad[0..n) accumulated in fp64: the clipping norm's share of this
 // partition; inf or NaN when any element is (overflow detection in the same pass).
 double sum_squares(const void* grad, at::ScalarType grad_dtype, int64_t n);

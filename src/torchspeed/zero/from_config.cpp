@@ -26,7 +26,7 @@ precision::LossScaler loss_scaler_of(const config::Config& c) {
 
 OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<ParamGroup>& groups) {
   TS_CHECK(!c.optimizer.type.empty(),
-           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW, SGD or Lamb)");
+           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW, SGD, Lamb or OneBitAdam)");
   OptimizerSpec s;
   s.type = c.optimizer.type;
   s.adam.lr = c.optimizer.lr;
@@ -50,6 +50,11 @@ OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<Param
   s.lamb.max_coeff = c.optimizer.max_coeff;
   s.lamb.min_coeff = c.optimizer.min_coeff;
   s.lamb.eps_inside_sqrt = c.optimizer.eps_inside_sqrt;
+  s.freeze_step = c.optimizer.freeze_step;
+  if (c.optimizer.type == "OneBitAdam") {  // DeepSpeed's OnebitAdam: no bias correction, decay in the update
+    s.adam.bias_correction = false;
+    s.adam.adam_w_mode = true;
+  }
   for (const auto& g : groups) s.groups.push_back(g.options);
   return s;
 }

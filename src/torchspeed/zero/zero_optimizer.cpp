@@ -119,8 +119,12 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
                              bool sharded)
     : dp_(std::move(dp)), options_(std::move(options)), opt_(std::move(opt)), strategy_(strategy), sharded_(sharded) {
   TS_CHECK(dp_, "ZeroOptimizer needs a data-parallel communicator");
-  TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD" || opt_.type == "Lamb",
-           "optimizer.type: torchspeed has Adam, AdamW, SGD and Lamb, got '", opt_.type, "'");
+  TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD" || opt_.type == "Lamb" ||
+               opt_.type == "OneBitAdam",
+           "optimizer.type: torchspeed has Adam, AdamW, SGD, Lamb and OneBitAdam, got '", opt_.type, "'");
+  TS_CHECK(opt_.type != "OneBitAdam" || (strategy == Stage::k0 && !options_.state_store()),
+           "optimizer OneBitAdam needs ZeRO stage 0 without offload (as in DeepSpeed: it compresses the whole "
+           "momentum, which every rank holds)");
   dp_size_ = dp_->size();
   dp_rank_ = dp_->rank();
   accum_dtype_ = options_.grad_accum_dtype();
@@ -319,7 +323,8 @@ void ZeroOptimizer::begin_backward(bool boundary) {
   // Reductions of the previous micro-step may still be in flight (they overlapped the forward
   // just run); their buffers are about to be reused.
   wait_reductions();
-  reduce_now_ = boundary || reduces_every_micro_step();
+  // 1-bit Adam past its warm-up averages the momentum instead of the gradients.
+  reduce_now_ = (boundary || reduces_every_micro_step()) && !compressing();
   if (boundary) store_->prefetch();  // the step reads the optimizer state next
   next_launch_ = static_cast<int>(units_.size()) - 1;
   for (auto& u : units_) {
@@ -471,8 +476,12 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   }
   const float grad_scale = static_cast<float>(clip_coef / loss_scale);
   ++step_count_;
-  if (opt_.type == "Lamb") {
-    lamb_update(grad_scale, lr);
+  if (opt_.type == "Lamb" || (opt_.type == "OneBitAdam" && step_count_ > opt_.freeze_step)) {
+    if (opt_.type == "Lamb") {
+      lamb_update(grad_scale, lr);
+    } else {
+      onebit_update(grad_scale, lr);
+    }
     timings_.optimizer_s += seconds_since(t1);
     auto t2 = Clock::now();
     gather_updated();
@@ -681,6 +690,7 @@ void ZeroOptimizer::import_from(const PartitionReader& read, const std::vector<b
     }
   }
   step_count_ = steps;
+  if (onebit_) onebit_->reset_errors();  // not checkpointed, as in DeepSpeed
   before_import();
   if (!has_master_) {  // fp32: each unit's masters are read straight into its parameters
     for (auto& up : units_) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "torchspeed/comm/communicator.h"
+#include "torchspeed/comm/compressed.h"
 #include "torchspeed/optim/fused_optimizers.h"
 #include "torchspeed/precision/loss_scaler.h"
 #include "torchspeed/zero/partition_layout.h"
@@ -90,6 +91,9 @@ struct OptimizerSpec {
   optim::AdamHyper adam;
   optim::SgdHyper sgd;
   optim::LambHyper lamb;
+  // OneBitAdam: optimizer steps of plain Adam (no bias correction) on averaged gradients before
+  // the momentum is averaged by the 1-bit all-reduce instead (DeepSpeed's freeze_step).
+  int64_t freeze_step = 100000;
   // Groups 1..n (NamedParam::group); group 0 is the optimizer's own hyperparameters.
   std::vector<ParamGroupOptions> groups;
 };
@@ -291,6 +295,11 @@ class ZeroOptimizer {
   // Lamb's two passes over the partition, its per-tensor norms summed across the data-parallel
   // group in between (zero/lamb_update.cpp).
   void lamb_update(float grad_scale, double lr);
+  // 1-bit Adam past its warm-up: local momentum, its 1-bit average, the update with the frozen
+  // variance (zero/onebit_update.cpp).
+  bool compressing() const { return opt_.type == "OneBitAdam" && step_count_ >= opt_.freeze_step; }
+  void onebit_update(float grad_scale, double lr);
+  std::unique_ptr<comm::OneBitAllReduce> onebit_;
 
   // import_partition's work once the kinds marked in `have` are already in the resident store.
   void import_from(const PartitionReader& read, const std::vector<bool>& have, int64_t steps);
