@@ -31,9 +31,9 @@ void ZeroOptimizer::lamb_update(float grad_scale, double lr) {
   const double base_lr = opt_.lamb.lr;
   auto hyper = [&](const StepPiece& s) {
     optim::LambHyper h = opt_.lamb;
-    const ParamGroupOptions* g = s.group > 0 ? &opt_.groups[static_cast<size_t>(s.group - 1)] : nullptr;
-    h.lr = g && g->lr && base_lr > 0.0 ? lr * (*g->lr / base_lr) : lr;
-    if (g && g->weight_decay) h.weight_decay = *g->weight_decay;
+    const GroupHyper g = group_hyper(s.group, lr, base_lr, h.weight_decay);
+    h.lr = g.lr;
+    h.weight_decay = g.weight_decay;
     h.step = step_count_;
     return h;
   };

@@ -48,13 +48,11 @@ void ZeroOptimizer::onebit_update(float grad_scale, double lr) {
           dest = begin_update(*units_[s.unit]);
           cached = s.unit;
         }
-        const ParamGroupOptions* g = s.group > 0 ? &opt_.groups[static_cast<size_t>(s.group - 1)] : nullptr;
-        const double group_lr = g && g->lr && base_lr > 0.0 ? lr * (*g->lr / base_lr) : lr;
-        const double wd = g && g->weight_decay ? *g->weight_decay : opt_.adam.weight_decay;
+        const GroupHyper g = group_hyper(s.group, lr, base_lr, opt_.adam.weight_decay);
         const int64_t es = static_cast<int64_t>(dest.element_size());
         float* p = has_master_ ? state[0] : dest.data_ptr<float>() + s.begin;
         void* out = has_master_ ? static_cast<char*>(dest.data_ptr()) + s.begin * es : nullptr;
-        optim::onebit_apply(p, state[km], state[km + 1], s.length, group_lr, opt_.adam.eps, wd, out, out_kind);
+        optim::onebit_apply(p, state[km], state[km + 1], s.length, g.lr, opt_.adam.eps, g.weight_decay, out, out_kind);
       },
       /*read=*/true, /*write=*/true);
   if (cached != SIZE_MAX) end_update(*units_[cached], dest);

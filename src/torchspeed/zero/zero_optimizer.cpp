@@ -476,19 +476,29 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   }
   const float grad_scale = static_cast<float>(clip_coef / loss_scale);
   ++step_count_;
-  if (opt_.type == "Lamb" || (opt_.type == "OneBitAdam" && step_count_ > opt_.freeze_step)) {
-    if (opt_.type == "Lamb") {
-      lamb_update(grad_scale, lr);
-    } else {
-      onebit_update(grad_scale, lr);
-    }
-    timings_.optimizer_s += seconds_since(t1);
-    auto t2 = Clock::now();
-    gather_updated();
-    timings_.allgather_s += seconds_since(t2);
-    zero_grad();
-    return result;
+  if (opt_.type == "Lamb") {
+    lamb_update(grad_scale, lr);
+  } else if (opt_.type == "OneBitAdam" && step_count_ > opt_.freeze_step) {
+    onebit_update(grad_scale, lr);
+  } else {
+    elementwise_update(grad_scale, lr, beta1);
   }
+  timings_.optimizer_s += seconds_since(t1);
+
+  auto t2 = Clock::now();
+  gather_updated();
+  timings_.allgather_s += seconds_since(t2);
+  zero_grad();
+  return result;
+}
+
+ZeroOptimizer::GroupHyper ZeroOptimizer::group_hyper(int group, double lr, double base_lr, double weight_decay) const {
+  const ParamGroupOptions* g = group > 0 ? &opt_.groups[static_cast<size_t>(group - 1)] : nullptr;
+  return {g && g->lr && base_lr > 0.0 ? lr * (*g->lr / base_lr) : lr,
+          g && g->weight_decay ? *g->weight_decay : weight_decay};
+}
+
+void ZeroOptimizer::elementwise_update(float grad_scale, double lr, std::optional<double> beta1) {
   const optim::ParamOut out_kind = param_out(/*master_is_param=*/!has_master_);
   const double base_lr = opt_.type == "SGD" ? opt_.sgd.lr : opt_.adam.lr;
   const size_t km = has_master_ ? 1 : 0;  // index of the first moment in kinds_
@@ -505,8 +515,6 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
           cached = s.unit;
         }
         ++timings_.optimizer_sub_groups;
-        const ParamGroupOptions* g = s.group > 0 ? &opt_.groups[static_cast<size_t>(s.group - 1)] : nullptr;
-        const double group_lr = g && g->lr && base_lr > 0.0 ? lr * (*g->lr / base_lr) : lr;
         float* p = has_master_ ? state[0] : dest.data_ptr<float>() + s.begin;
         const void* gr = static_cast<const char*>(grad.data_ptr()) + s.begin * static_cast<int64_t>(grad.element_size());
         float* m = state[km];
@@ -514,15 +522,17 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
                                 : nullptr;
         if (opt_.type == "SGD") {
           optim::SgdHyper h = opt_.sgd;
-          h.lr = group_lr;
-          if (g && g->weight_decay) h.weight_decay = *g->weight_decay;
+          const GroupHyper g = group_hyper(s.group, lr, base_lr, h.weight_decay);
+          h.lr = g.lr;
+          h.weight_decay = g.weight_decay;
           h.first_step = step_count_ == 1;
           optim::sgd_step(p, gr, grad.scalar_type(), grad_scale, h.momentum != 0.0 ? m : nullptr, s.length, h, out,
                           out_kind);
         } else {
           optim::AdamHyper h = opt_.adam;
-          h.lr = group_lr;
-          if (g && g->weight_decay) h.weight_decay = *g->weight_decay;
+          const GroupHyper g = group_hyper(s.group, lr, base_lr, h.weight_decay);
+          h.lr = g.lr;
+          h.weight_decay = g.weight_decay;
           if (beta1) h.beta1 = *beta1;
           h.step = step_count_;
           optim::adam_step(p, gr, grad.scalar_type(), grad_scale, m, state[km + 1], s.length, h, out, out_kind);
@@ -530,13 +540,6 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
       },
       /*read=*/true, /*write=*/true);
   if (cached != SIZE_MAX) end_update(*units_[cached], dest);
-  timings_.optimizer_s += seconds_since(t1);
-
-  auto t2 = Clock::now();
-  gather_updated();
-  timings_.allgather_s += seconds_since(t2);
-  zero_grad();
-  return result;
 }
 
 void ZeroOptimizer::gather_updated() {

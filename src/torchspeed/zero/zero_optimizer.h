@@ -292,6 +292,14 @@ class ZeroOptimizer {
   // place (kNone) unless the masters are a separate copy (restoring a checkpoint).
   optim::ParamOut param_out(bool master_is_param) const;
   void gather_updated();
+  // Adam, AdamW, SGD (and 1-bit Adam's warm-up): one pass over the partition.
+  void elementwise_update(float grad_scale, double lr, std::optional<double> beta1);
+  // A piece's parameter group: its lr (the scheduled lr scaled by the group's over the
+  // optimizer's) and weight decay (`weight_decay` unless the group sets one).
+  struct GroupHyper {
+    double lr, weight_decay;
+  };
+  GroupHyper group_hyper(int group, double lr, double base_lr, double weight_decay) const;
   // Lamb's two passes over the partition, its per-tensor norms summed across the data-parallel
   // group in between (zero/lamb_update.cpp).
   void lamb_update(float grad_scale, double lr);
