@@ -1,0 +1,344 @@
+// GPT-2's byte-level BPE (Note [GPT-2 pre-tokenization]).
+#include "torchspeed/data/bpe_tokenizer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::data {
+namespace {
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TS_CHECK(in.good(), "cannot read '", path, "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    s += static_cast<char>(0xE0 | (cp >> 12));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    s += static_cast<char>(0xF0 | (cp >> 18));
+    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// A code point and its bytes in the text; an invalid byte is one code point of its own that is
+// neither letter, number nor space.
+struct CodePoint {
+  uint32_t cp;
+  size_t begin, len;
+};
+constexpr uint32_t kInvalid = 0xFFFFFFFFu;
+
+std::vector<CodePoint> code_points(const std::string& s) {
+  std::vector<CodePoint> out;
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned c = p[i];
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1F : len == 3 ? c & 0x0F : c & 0x07;
+    bool ok = len > 0 && i + len <= n;
+    for (size_t k = 1; ok && k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) ok = false;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if (!ok) {
+      out.push_back({kInvalid, i, 1});
+      ++i;
+      continue;
+    }
+    out.push_back({cp, i, len});
+    i += len;
+  }
+  return out;
+}
+
+enum class Cls { kLetter, kNumber, kSpace, kOther };
+
+// Unicode's White_Space property (the regex \s).
+bool is_space(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
+         c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+// \p{N}: ASCII digits, Latin-1's superscripts and fractions, and the common digit blocks.
+bool is_number(uint32_t c) {
+  if (c >= '0' && c <= '9') return true;
+  if (c == 0xB2 || c == 0xB3 || c == 0xB9 || (c >= 0xBC && c <= 0xBE)) return true;
+  static const uint32_t digit_blocks[] = {0x0660, 0x06F0, 0x07C0, 0x0966, 0x09E6, 0x0A66, 0x0AE6, 0x0B66, 0x0BE6,
+                                          0x0C66, 0x0CE6, 0x0D66, 0x0E50, 0x0ED0, 0x0F20, 0x1040, 0xFF10};
+  for (uint32_t b : digit_blocks)
+    if (c >= b && c < b + 10) return true;
+  return (c >= 0x2070 && c <= 0x2079 && c != 0x2071 && c != 0x2072 && c != 0x2073) || (c >= 0x2080 && c <= 0x2089) ||
+         (c >= 0x2150 && c <= 0x2189) || (c >= 0x2460 && c <= 0x249B) || (c >= 0x2776 && c <= 0x2793);
+}
+
+// \p{L}: ASCII letters; beyond ASCII the letter ranges of the scripts in use, leaving out the
+// symbol and punctuation blocks (Latin-1's and General Punctuation's, currency, arrows, math,
+// box drawing, dingbats, CJK punctuation).
+bool is_letter(uint32_t c) {
+  if (c < 0x80) return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+  if (c < 0x100) return c == 0xAA || c == 0xB5 || c == 0xBA || (c >= 0xC0 && c != 0xD7 && c != 0xF7);
+  if (c < 0x2B0) return true;                       // Latin Extended, IPA
+  if (c >= 0x2B0 && c < 0x370) return c <= 0x2C1 || (c >= 0x2C6 && c <= 0x2D1) || (c >= 0x2E0 && c <= 0x2E4) ||
+                                      c == 0x2EC || c == 0x2EE;  // modifier letters; combining marks are not
+  if (c >= 0x370 && c < 0x530) return c != 0x37E && c != 0x387 && c != 0x375 && c != 0x3F6 && !(c >= 0x482 && c <= 0x489);
+  if (c >= 0x2000 && c < 0x2C00) return (c >= 0x2090 && c <= 0x209C) || c == 0x2071 || c == 0x207F || c == 0x2102 ||
+                                        c == 0x2107 || (c >= 0x210A && c <= 0x2113) || c == 0x2115 ||
+                                        (c >= 0x2119 && c <= 0x211D) || c == 0x2124 || c == 0x2126 || c == 0x2128 ||
+                                        (c >= 0x212A && c <= 0x212D) || (c >= 0x212F && c <= 0x2139);
+  if (c >= 0x3000 && c < 0x3040) return c == 0x3005 || c == 0x3006 || (c >= 0x3031 && c <= 0x3035) || c == 0x303B || c == 0x303C;
+  if (c >= 0xFF00 && c < 0xFFF0) return (c >= 0xFF21 && c <= 0xFF3A) || (c >= 0xFF41 && c <= 0xFF5A) || c >= 0xFF66;
+  if (c >= 0x530 && c < 0x2000) return !(c >= 0x591 && c <= 0x5C7) && !(c >= 0x600 && c <= 0x61F) && !(c >= 0x64B && c <= 0x66D);
+  if (c >= 0xE000 && c < 0xF900) return false;  // private use
+  return c >= 0x3040 && c < 0x10FFFF;               // kana, CJK, Hangul and beyond
+}
+
+Cls classify(uint32_t c) {
+  if (c == kInvalid) return Cls::kOther;
+  if (is_space(c)) return Cls::kSpace;
+  if (is_letter(c)) return Cls::kLetter;
+  if (is_number(c)) return Cls::kNumber;
+  return Cls::kOther;
+}
+
+// GPT-2's bytes_to_unicode(): printable bytes map to themselves, the rest to U+0100 onwards.
+void make_byte_map(std::string (&to_unicode)[256], std::unordered_map<std::string, uint8_t>& to_byte) {
+  int extra = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    to_unicode[b] = utf8(printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + extra++));
+    to_byte[to_unicode[b]] = static_cast<uint8_t>(b);
+  }
+}
+
+std::string pair_key(const std::string& a, const std::string& b) { return a + '\x01' + b; }
+
+}  // namespace
+
+// Note [GPT-2 pre-tokenization]
+// GPT-2's pattern, as the `tokenizers` package's ByteLevel pre-tokenizer applies it:
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// matched leftmost-first by hand: the contractions, then an optional U+0020 and a run of letters,
+// numbers or other characters, then whitespace: a run followed by a non-space character gives its
+// last character to the next piece (the lookahead), unless the run is that one character.
+std::vector<std::string> BpeTokenizer::pre_tokenize(const std::string& text) {
+  const auto cps = code_points(text);
+  const size_t n = cps.size();
+  std::vector<std::string> out;
+  auto emit = [&](size_t a, size_t b) { out.push_back(text.substr(cps[a].begin, cps[b - 1].begin + cps[b - 1].len - cps[a].begin)); };
+  auto cls = [&](size_t k) { return classify(cps[k].cp); };
+  size_t i = 0;
+  while (i < n) {
+    if (cps[i].cp == '\'' && i + 1 < n) {
+      const uint32_t a = cps[i + 1].cp, b = i + 2 < n ? cps[i + 2].cp : 0;
+      if (a == 's' || a == 't' || a == 'm' || a == 'd') {
+        emit(i, i + 2);
+        i += 2;
+        continue;
+      }
+      if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) {
+        emit(i, i + 3);
+        i += 3;
+        continue;
+      }
+    }
+    bool matched = false;
+    for (Cls c : {Cls::kLetter, Cls::kNumber, Cls::kOther}) {
+      size_t start = i;
+      if (cps[i].cp == ' ' && i + 1 < n && cls(i + 1) == c) start = i + 1;
+      if (cls(start) != c) continue;
+      size_t end = start;
+      while (end < n && cls(end) == c) ++end;
+      emit(i, end);
+      i = end;
+      matched = true;
+      break;
+    }
+    if (matched) continue;
+    // Whitespace.
+    size_t end = i;
+    while (end < n && cls(end) == Cls::kSpace) ++end;
+    if (end < n && end - i >= 2) --end;  // \s+(?!\S): the last one joins the next piece
+    emit(i, end);
+    i = end;
+  }
+  return out;
+}
+
+BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
+                           std::vector<std::pair<std::string, std::string>> merges, const std::string& source)
+    : vocab_(std::move(vocab)), source_(source) {
+  make_byte_map(byte_to_unicode_, unicode_to_byte_);
+  int64_t max_id = -1;
+  for (const auto& [tok, id] : vocab_) {
+    TS_CHECK(id >= 0 && id < (int64_t{1} << 31), source_, ": token '", tok, "' has id ", id, ", outside [0, 2^31)");
+    max_id = std::max(max_id, id);
+  }
+  id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
+  for (const auto& [tok, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = tok;
+  for (size_t r = 0; r < merges.size(); ++r) ranks_.emplace(pair_key(merges[r].first, merges[r].second), static_cast<int>(r));
+  for (int b = 0; b < 256; ++b) {
+    TS_CHECK(vocab_.count(byte_to_unicode_[b]), source_, ": the vocabulary has no token for byte ", b,
+             " ('", byte_to_unicode_[b], "'): not a byte-level BPE vocabulary");
+  }
+}
+
+BpeTokenizer BpeTokenizer::from_files(const std::string& vocab_json, const std::string& merges_txt) {
+  nlohmann::json v;
+  try {
+    v = nlohmann::json::parse(read_text(vocab_json));
+  } catch (const nlohmann::json::exception& e) {
+    TS_CHECK(false, vocab_json, ": not JSON: ", e.what());
+  }
+  TS_CHECK(v.is_object(), vocab_json, ": expected an object of token -> id");
+  std::unordered_map<std::string, int64_t> vocab;
+  for (const auto& [tok, id] : v.items()) {
+    TS_CHECK(id.is_number_integer(), vocab_json, ": token '", tok, "' has id ", id.dump(), ", not an integer");
+    vocab[tok] = id.get<int64_t>();
+  }
+  std::vector<std::pair<std::string, std::string>> merges;
+  std::istringstream in(read_text(merges_txt));
+  std::string line;
+  int64_t line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty() || (line_no == 1 && line.rfind("#version", 0) == 0)) continue;
+    const auto sp = line.find(' ');
+    TS_CHECK(sp != std::string::npos && sp > 0 && sp + 1 < line.size() && line.find(' ', sp + 1) == std::string::npos,
+             merges_txt, ":", line_no, ": expected two tokens separated by one space, found '", line, "'");
+    merges.emplace_back(line.substr(0, sp), line.substr(sp + 1));
+  }
+  return BpeTokenizer(std::move(vocab), std::move(merges), vocab_json);
+}
+
+BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text(path));
+  } catch (const nlohmann::json::exception& e) {
+    TS_CHECK(false, path, ": not JSON: ", e.what());
+  }
+  TS_CHECK(j.is_object() && j.contains("model") && j["model"].is_object(), path, ": no \"model\" object");
+  const auto& m = j["model"];
+  TS_CHECK(m.value("type", std::string()) == "BPE", path, ": model.type is ", m.value("type", std::string("missing")),
+           "; only BPE models are read");
+  if (j.contains("pre_tokenizer") && j["pre_tokenizer"].is_object()) {
+    const auto& pt = j["pre_tokenizer"];
+    TS_CHECK(pt.value("type", std::string()) == "ByteLevel", path, ": pre_tokenizer.type is ",
+             pt.value("type", std::string()), "; only GPT-2's ByteLevel is read");
+    TS_CHECK(!pt.value("add_prefix_space", false), path, ": pre_tokenizer.add_prefix_space true is not supported");
+  }
+  TS_CHECK(m.contains("vocab") && m["vocab"].is_object(), path, ": model.vocab must be an object");
+  std::unordered_map<std::string, int64_t> vocab;
+  for (const auto& [tok, id] : m["vocab"].items()) {
+    TS_CHECK(id.is_number_integer(), path, ": model.vocab['", tok, "'] is not an integer");
+    vocab[tok] = id.get<int64_t>();
+  }
+  std::vector<std::pair<std::string, std::string>> merges;
+  if (m.contains("merges")) {
+    TS_CHECK(m["merges"].is_array(), path, ": model.merges must be a list");
+    for (size_t r = 0; r < m["merges"].size(); ++r) {
+      const auto& e = m["merges"][r];
+      if (e.is_string()) {
+        const std::string s = e.get<std::string>();
+        const auto sp = s.find(' ');
+        TS_CHECK(sp != std::string::npos && sp > 0, path, ": model.merges[", r, "] = '", s, "' is not \"a b\"");
+        merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
+      } else {
+        TS_CHECK(e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string(), path, ": model.merges[", r,
+                 "] is neither \"a b\" nor [a, b]");
+        merges.emplace_back(e[0].get<std::string>(), e[1].get<std::string>());
+      }
+    }
+  }
+  return BpeTokenizer(std::move(vocab), std::move(merges), path);
+}
+
+BpeTokenizer BpeTokenizer::from_folder(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (fs::exists(fs::path(dir) / "tokenizer.json")) return from_tokenizer_json((fs::path(dir) / "tokenizer.json").string());
+  TS_CHECK(fs::exists(fs::path(dir) / "vocab.json") && fs::exists(fs::path(dir) / "merges.txt"), dir,
+           ": no tokenizer.json, nor vocab.json and merges.txt");
+  return from_files((fs::path(dir) / "vocab.json").string(), (fs::path(dir) / "merges.txt").string());
+}
+
+void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) const {
+  std::vector<std::string> sym;
+  sym.reserve(piece.size());
+  for (unsigned char c : piece) sym.push_back(byte_to_unicode_[c]);
+  // Merge the lowest-ranked adjacent pair, every occurrence left to right, until none is left.
+  while (sym.size() > 1) {
+    int best = INT_MAX;
+    for (size_t k = 0; k + 1 < sym.size(); ++k) {
+      const auto it = ranks_.find(pair_key(sym[k], sym[k + 1]));
+      if (it != ranks_.end()) best = std::min(best, it->second);
+    }
+    if (best == INT_MAX) break;
+    std::vector<std::string> next;
+    next.reserve(sym.size());
+    for (size_t k = 0; k < sym.size();) {
+      if (k + 1 < sym.size()) {
+        const auto it = ranks_.find(pair_key(sym[k], sym[k + 1]));
+        if (it != ranks_.end() && it->second == best) {
+          next.push_back(sym[k] + sym[k + 1]);
+          k += 2;
+          continue;
+        }
+      }
+      next.push_back(sym[k]);
+      ++k;
+    }
+    sym.swap(next);
+  }
+  for (const auto& s : sym) {
+    const auto it = vocab_.find(s);
+    TS_CHECK(it != vocab_.end(), source_, ": BPE produced '", s, "', which the vocabulary does not hold");
+    out.push_back(it->second);
+  }
+}
+
+std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
+  std::vector<int64_t> out;
+  for (const auto& piece : pre_tokenize(text)) bpe(piece, out);
+  return out;
+}
+
+std::string BpeTokenizer::decode(const std::vector<int64_t>& ids) const {
+  std::string out;
+  for (int64_t id : ids) {
+    TS_CHECK(id >= 0 && id < vocab_size() && !id_to_token_[static_cast<size_t>(id)].empty(), source_, ": token id ", id,
+             " is not in the vocabulary (", vocab_size(), " ids)");
+    const std::string& tok = id_to_token_[static_cast<size_t>(id)];
+    for (const auto& cp : code_points(tok)) {
+      const auto it = unicode_to_byte_.find(tok.substr(cp.begin, cp.len));
+      TS_CHECK(it != unicode_to_byte_.end(), source_, ": token ", id, " ('", tok, "') holds a character outside the byte map");
+      out += static_cast<char>(it->second);
+    }
+  }
+  return out;
+}
+
+}  // namespace torchspeed::data

@@ -1,0 +1,95 @@
+// GPT-2's byte-level BPE without Python: GPT-2's pre-tokenization pattern on the cases its
+// lookahead and contractions decide, merges by rank, any bytes (invalid UTF-8 too) round-trip,
+// and malformed files named. (tests/tokenizer/ compares with Hugging Face's tokenizers.)
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "test_util.h"
+#include "torchspeed/data/bpe_tokenizer.h"
+
+using torchspeed::data::BpeTokenizer;
+namespace fs = std::filesystem;
+
+namespace {
+using V = std::vector<std::string>;
+
+// GPT-2's byte -> character map for the printable ASCII bytes is the identity; the rest here.
+std::string byte_char(int b) {
+  int extra = 0;
+  for (int x = 0; x < 256; ++x) {
+    const bool printable = (x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF);
+    const int cp = printable ? x : 256 + extra++;
+    if (x == b) {
+      std::string s;
+      if (cp < 0x80) {
+        s += static_cast<char>(cp);
+      } else {
+        s += static_cast<char>(0xC0 | (cp >> 6));
+        s += static_cast<char>(0x80 | (cp & 0x3F));
+      }
+      return s;
+    }
+  }
+  return "";
+}
+
+// A byte-level vocabulary (every byte, then merged tokens) in vocab.json + merges.txt.
+std::string write_tokenizer(const std::vector<std::pair<std::string, std::string>>& merges) {
+  const fs::path dir = fs::temp_directory_path() / ("ts-bpe-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  nlohmann::json vocab = nlohmann::json::object();
+  int64_t id = 0;
+  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = id++;
+  std::ofstream m(dir / "merges.txt");
+  m << "#version: 0.2\n";
+  for (const auto& [a, b] : merges) {
+    vocab[a + b] = id++;
+    m << a << " " << b << "\n";
+  }
+  std::ofstream(dir / "vocab.json") << vocab.dump();
+  return dir.string();
+}
+}  // namespace
+
+TEST(Bpe, PreTokenizationFollowsGpt2sPattern) {
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("Hello world"), (V{"Hello", " world"}));
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("I'm here, you're not"), (V{"I", "'m", " here", ",", " you", "'re", " not"}));
+  // A run of spaces gives its last one to the next word; other whitespace never prefixes.
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("x   y"), (V{"x", "  ", " y"}));
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("a\n\nb"), (V{"a", "\n", "\n", "b"}));
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("end  "), (V{"end", "  "}));
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("abc123 42$$ hi"), (V{"abc", "123", " 42", "$$", " hi"}));
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("caf\xc3\xa9 \xc2\xa3" "5"), (V{"caf\xc3\xa9", " \xc2\xa3", "5"}));
+  EXPECT_EQ(BpeTokenizer::pre_tokenize("'x"), (V{"'", "x"}));  // not a contraction
+}
+
+TEST(Bpe, MergesApplyByRankAndEveryByteRoundTrips) {
+  const std::string dir = write_tokenizer({{"h", "e"}, {"l", "l"}, {"he", "ll"}, {byte_char(' '), "w"}});
+  const BpeTokenizer t = BpeTokenizer::from_folder(dir);
+  EXPECT_EQ(t.vocab_size(), 260);
+  // "hell" -> he + ll -> hell (ids 256, 257, then 258); " w" merges to 259.
+  EXPECT_EQ(t.encode("hell"), (std::vector<int64_t>{258}));
+  EXPECT_EQ(t.encode("hello wo"), (std::vector<int64_t>{258, 'o', 259, 'o'}));
+  std::string bytes;
+  for (int b = 0; b < 256; ++b) bytes += static_cast<char>(b);
+  bytes += "\xff\xfe invalid \xc3";
+  EXPECT_EQ(t.decode(t.encode(bytes)), bytes);
+  ts_test::expect_error([&] { t.decode({999}); }, "token id 999 is not in the vocabulary");
+  fs::remove_all(dir);
+}
+
+TEST(Bpe, MalformedFilesAreNamed) {
+  const std::string dir = write_tokenizer({});
+  std::ofstream(dir + "/merges.txt") << "#version: 0.2\na b c\n";
+  ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "merges.txt:2: expected two tokens");
+  std::ofstream(dir + "/merges.txt") << "";
+  std::ofstream(dir + "/vocab.json") << R"({"a": 0})";
+  ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "the vocabulary has no token for byte 0");
+  std::ofstream(dir + "/tokenizer.json") << R"({"model": {"type": "WordPiece"}})";
+  ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "only BPE models are read");
+  fs::remove_all(dir);
+}
