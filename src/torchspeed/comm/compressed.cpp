@@ -6,6 +6,10 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -18,32 +22,94 @@ namespace {
 constexpr int kSignTag = 7301;
 constexpr int64_t kGrainBytes = 1 << 13;  // bytes of sign bits per parallel task (64 Ki elements)
 
-// ||x||^2 in double.
-double sum_sq(const float* x, int64_t n) {
-  return at::parallel_reduce(
-      0, n, int64_t{1} << 16, 0.0,
-      [&](int64_t b, int64_t e, double acc) {
-        double s = 0.0;
-        for (int64_t i = b; i < e; ++i) s += static_cast<double>(x[i]) * x[i];
-        return acc + s;
-      },
-      [](double a, double b) { return a + b; });
+// Bytes in MSB-first order from a 16-bit AVX-512 mask (element k in bit k), and back.
+struct BitReverse {
+  uint8_t t[256];
+  BitReverse() {
+    for (int v = 0; v < 256; ++v) {
+      int r = 0;
+      for (int k = 0; k < 8; ++k) r |= ((v >> k) & 1) << (7 - k);
+      t[v] = static_cast<uint8_t>(r);
+    }
+  }
+};
+const BitReverse kRev;
+
+// Bytes [b, e) of the sign bits of x (elements [8b, 8e)), and x - scale * sgn(x) written into
+// `error` (which may be x itself).
+void compress_scalar(const float* x, int64_t b, int64_t e, float scale, float* error, uint8_t* bits) {
+  for (int64_t byte = b; byte < e; ++byte) {
+    unsigned v = 0;
+    for (int k = 0; k < 8; ++k) {
+      const float xi = x[8 * byte + k];
+      const bool pos = xi >= 0.0f;
+      v |= static_cast<unsigned>(pos) << (7 - k);
+      error[8 * byte + k] = xi - (pos ? scale : -scale);
+    }
+    bits[byte] = static_cast<uint8_t>(v);
+  }
 }
 
-// e = x - scale * sgn(x), and the sign bits of x; n a multiple of 8.
+template <bool kAdd>
+void expand_scalar(const uint8_t* bits, int64_t b, int64_t e, float scale, float* out) {
+  for (int64_t byte = b; byte < e; ++byte) {
+    const unsigned v = bits[byte];
+    for (int k = 0; k < 8; ++k) {
+      const float s = (v >> (7 - k)) & 1u ? scale : -scale;
+      if constexpr (kAdd) {
+        out[8 * byte + k] += s;
+      } else {
+        out[8 * byte + k] = s;
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void compress_avx512(const float* x, int64_t b, int64_t e, float scale,
+                                                        float* error, uint8_t* bits) {
+  const __m512 zero = _mm512_setzero_ps(), pos = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-scale);
+  int64_t byte = b;
+  for (; byte + 2 <= e; byte += 2) {
+    const __m512 v = _mm512_loadu_ps(x + 8 * byte);
+    const __mmask16 m = _mm512_cmp_ps_mask(v, zero, _CMP_GE_OQ);
+    _mm512_storeu_ps(error + 8 * byte, _mm512_sub_ps(v, _mm512_mask_blend_ps(m, neg, pos)));
+    bits[byte] = kRev.t[m & 0xFF];
+    bits[byte + 1] = kRev.t[m >> 8];
+  }
+  compress_scalar(x, byte, e, scale, error, bits);
+}
+
+template <bool kAdd>
+__attribute__((target("avx512f"))) void expand_avx512(const uint8_t* bits, int64_t b, int64_t e, float scale,
+                                                      float* out) {
+  const __m512 pos = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-scale);
+  int64_t byte = b;
+  for (; byte + 2 <= e; byte += 2) {
+    const __mmask16 m = static_cast<__mmask16>(kRev.t[bits[byte]] | (kRev.t[bits[byte + 1]] << 8));
+    const __m512 q = _mm512_mask_blend_ps(m, neg, pos);
+    float* o = out + 8 * byte;
+    if constexpr (kAdd) {
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), q));
+    } else {
+      _mm512_storeu_ps(o, q);
+    }
+  }
+  expand_scalar<kAdd>(bits, byte, e, scale, out);
+}
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+#endif
+
+// The sign bits of x (n a multiple of 8) and x - scale * sgn(x) into `error` (may be x).
 void compress(const float* x, int64_t n, float scale, float* error, uint8_t* bits) {
   at::parallel_for(0, n / 8, kGrainBytes, [&](int64_t b, int64_t e) {
-    for (int64_t byte = b; byte < e; ++byte) {
-      const float* xs = x + 8 * byte;
-      float* es = error + 8 * byte;
-      unsigned v = 0;
-      for (int k = 0; k < 8; ++k) {
-        const bool pos = xs[k] >= 0.0f;
-        v |= static_cast<unsigned>(pos) << (7 - k);
-        es[k] = xs[k] - (pos ? scale : -scale);
-      }
-      bits[byte] = static_cast<uint8_t>(v);
-    }
+#if defined(__x86_64__)
+    if (has_avx512()) return compress_avx512(x, b, e, scale, error, bits);
+#endif
+    compress_scalar(x, b, e, scale, error, bits);
   });
 }
 
@@ -51,19 +117,28 @@ void compress(const float* x, int64_t n, float scale, float* error, uint8_t* bit
 template <bool kAdd>
 void expand(const uint8_t* bits, int64_t n, float scale, float* out) {
   at::parallel_for(0, n / 8, kGrainBytes, [&](int64_t b, int64_t e) {
-    for (int64_t byte = b; byte < e; ++byte) {
-      const unsigned v = bits[byte];
-      float* o = out + 8 * byte;
-      for (int k = 0; k < 8; ++k) {
-        const float s = (v >> (7 - k)) & 1u ? scale : -scale;
-        if constexpr (kAdd) {
-          o[k] += s;
-        } else {
-          o[k] = s;
-        }
-      }
-    }
+#if defined(__x86_64__)
+    if (has_avx512()) return expand_avx512<kAdd>(bits, b, e, scale, out);
+#endif
+    expand_scalar<kAdd>(bits, b, e, scale, out);
   });
+}
+
+// x = error + buffer over the buffer's elements (the padding keeps its error), written into
+// `error`; returns ||x||^2.
+double compensate(float* error, const float* buffer, int64_t numel, int64_t padded) {
+  return at::parallel_reduce(
+      0, padded, int64_t{1} << 16, 0.0,
+      [&](int64_t b, int64_t e, double acc) {
+        double s = 0.0;
+        for (int64_t i = b; i < e; ++i) {
+          const float x = i < numel ? error[i] + buffer[i] : error[i];
+          error[i] = x;
+          s += static_cast<double>(x) * x;
+        }
+        return acc + s;
+      },
+      [](double a, double b) { return a + b; });
 }
 }  // namespace
 
@@ -103,13 +178,12 @@ void OneBitAllReduce::run(const at::Tensor& buffer) {
   const int n = comm_->size(), r = comm_->rank();
   if (numel_ == 0) return;
   // 1. Worker: compensate, scale, signs; this rank's error.
-  at::Tensor x = worker_error_.clone();  // the padding's error stays; the buffer adds to the rest
-  x.narrow(0, 0, numel_).add_(buffer);
-  const float* xp = x.data_ptr<float>();
-  const float s_w = static_cast<float>(std::sqrt(sum_sq(xp, padded_) / static_cast<double>(padded_)));
+  float* x = worker_error_.data_ptr<float>();  // x is built in place of the error it replaces
+  const float s_w = static_cast<float>(
+      std::sqrt(compensate(x, buffer.data_ptr<float>(), numel_, padded_) / static_cast<double>(padded_)));
   const int64_t chunk_bytes = chunk_ / 8;
   at::Tensor signs = at::empty({padded_ / 8}, at::kByte);
-  compress(xp, padded_, s_w, worker_error_.data_ptr<float>(), signs.data_ptr<uint8_t>());
+  compress(x, padded_, s_w, x, signs.data_ptr<uint8_t>());
   // Phase 1: chunk j of every rank's signs to rank j; every rank's scale to all.
   at::Tensor recv = at::empty({n * chunk_bytes}, at::kByte);
   recv.narrow(0, r * chunk_bytes, chunk_bytes).copy_(signs.narrow(0, r * chunk_bytes, chunk_bytes));
@@ -123,15 +197,14 @@ void OneBitAllReduce::run(const at::Tensor& buffer) {
   for (auto& w : works) w->wait();
   comm_->all_gather(at::full({1}, s_w, at::kFloat), scales);
   // 2. Server for chunk r: the average of the workers' compressed chunks, compensated.
-  at::Tensor y = server_error_.clone();
-  float* yp = y.data_ptr<float>();
+  float* yp = server_error_.data_ptr<float>();  // y is built in place of the server error
   const float* sc = scales.data_ptr<float>();
   for (int j = 0; j < n; ++j) {
     expand<true>(recv.data_ptr<uint8_t>() + j * chunk_bytes, chunk_, sc[j] / static_cast<float>(n), yp);
   }
-  const float s_s = static_cast<float>(std::sqrt(sum_sq(yp, chunk_) / static_cast<double>(chunk_)));
+  const float s_s = static_cast<float>(std::sqrt(compensate(yp, nullptr, 0, chunk_) / static_cast<double>(chunk_)));
   at::Tensor server_signs = at::empty({chunk_bytes}, at::kByte);
-  compress(yp, chunk_, s_s, server_error_.data_ptr<float>(), server_signs.data_ptr<uint8_t>());
+  compress(yp, chunk_, s_s, yp, server_signs.data_ptr<uint8_t>());
   // Phase 2: every server's signs and scale.
   at::Tensor all_signs = at::empty({n * chunk_bytes}, at::kByte);
   at::Tensor server_scales = at::empty({n}, at::kFloat);
