@@ -494,6 +494,13 @@ TEST(Config, KeysTorchspeedCannotHonourAreRefusedWithTheirPath) {
                "zero_optimization.load_from_fp32_weights: torchspeed always restores");
   expect_error(with({{"zero_optimization", {{"ignore_unused_parameters", false}}}}),
                "zero_optimization.ignore_unused_parameters: torchspeed reduces zeros");
+  expect_error(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}}}),
+               "zero_optimization.zero_hpz_partition_size: ZeRO++ hierarchical partitioning");
+  expect_error(with({{"zero_optimization", {{"zero_quantized_gradients", true}}}}),
+               "zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradient reduction");
+  expect_error(with({{"zero_optimization", {{"zero_quantized_weights", true}}}}),
+               "zero_optimization.zero_quantized_weights: ZeRO++ quantized weight all-gather");
+  expect_error(with({{"zero_optimization", {{"mics_shard_size", 4}}}}), "zero_optimization.mics_shard_size: MiCS");
   expect_error(with({{"checkpoint", {{"use_node_local_storage", true}}}}),
                "checkpoint.use_node_local_storage: torchspeed checkpoints need one folder");
   expect_error(with({{"pipeline", {{"stages", "auto"}}}}),
@@ -525,6 +532,8 @@ TEST(Config, KnobsWithoutEffectWarnWithTheirPath) {
            {"zero_optimization", "round_robin_gradients", true},
            {"zero_optimization", "stage3_max_reuse_distance", 1000},
            {"zero_optimization", "stage3_model_persistence_threshold", 1000},
+           {"zero_optimization", "legacy_stage1", true},
+           {"zero_optimization", "memory_efficient_linear", true},
            {"activation_checkpointing", "number_checkpoints", 4},
            {"activation_checkpointing", "partition_activations", true},
            {"activation_checkpointing", "contiguous_memory_optimization", true},

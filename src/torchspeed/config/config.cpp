@@ -281,12 +281,31 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
   no_effect(r, "model_persistence_threshold", "every unit below stage3_param_persistence_threshold stays whole");
   no_effect(r, "stage3_max_reuse_distance", "stage 3 releases a layer as soon as its forward or backward ends");
   no_effect(r, "max_reuse_distance", "stage 3 releases a layer as soon as its forward or backward ends");
+  // ZeRO++ and MiCS change what is communicated: only their off values are accepted.
+  if (r.get_int("zero_hpz_partition_size", 1, 1) != 1) {
+    r.error("zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ) is not available in torchspeed yet; use 1");
+  }
+  only(r, "zero_quantized_weights", false, false,
+       "ZeRO++ quantized weight all-gather (qwZ) is not available in torchspeed yet");
+  only(r, "zero_quantized_gradients", false, false,
+       "ZeRO++ quantized gradient reduction (qgZ) is not available in torchspeed yet");
+  only(r, "zero_quantized_nontrainable_weights", false, false,
+       "ZeRO++ quantized non-trainable weights are not available in torchspeed yet");
+  if (r.get_int("mics_shard_size", -1) > 0) {
+    r.error("mics_shard_size", "MiCS (sharding within sub-groups) is not available in torchspeed");
+  }
+  only(r, "mics_hierarchical_params_gather", false, false, "MiCS is not available in torchspeed");
+  // Implementation choices of DeepSpeed's with no counterpart here (same results either way).
   for (const char* k : {"legacy_stage1", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
-                        "zero_hpz_partition_size", "zero_quantized_weights",
-                        "zero_quantized_gradients", "mics_shard_size", "pipeline_loading_checkpoint",
-                        "override_module_apply", "log_trace_cache_warnings"}) {
+                        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings"}) {
     r.accept(k);
   }
+  no_effect(r, "legacy_stage1", "torchspeed has one stage-1 implementation");
+  no_effect(r, "use_multi_rank_bucket_allreduce", "buckets are reduced by the communicator's own algorithm");
+  no_effect(r, "memory_efficient_linear", "torchspeed's linear layers keep no extra copies to save");
+  no_effect(r, "pipeline_loading_checkpoint", "checkpoints load from the sharded files as they are");
+  no_effect(r, "override_module_apply", "stage 3 gathers layers as the stack runs them, not through module.apply");
+  no_effect(r, "log_trace_cache_warnings", "stage 3 keeps no trace cache");
   if (auto o = r.child("offload_optimizer")) read_offload(*o, c.offload_optimizer, true);
   if (auto o = r.child("offload_param")) read_offload(*o, c.offload_param, false);
   // Deprecated spellings that real configs still carry.
