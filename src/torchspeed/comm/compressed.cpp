@@ -142,19 +142,6 @@ double compensate(float* error, const float* buffer, int64_t numel, int64_t padd
 }
 }  // namespace
 
-void pack_signs(const float* x, int64_t n, uint8_t* out) {
-  TS_INTERNAL_ASSERT(n % 8 == 0, "pack_signs needs a multiple of 8 elements, got ", n);
-  for (int64_t b = 0; b < n / 8; ++b) {
-    uint8_t v = 0;
-    for (int k = 0; k < 8; ++k) v = static_cast<uint8_t>(v | ((x[8 * b + k] >= 0.0f ? 1u : 0u) << (7 - k)));
-    out[b] = v;
-  }
-}
-
-void unpack_signs(const uint8_t* bits, int64_t n, float scale, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = (bits[i / 8] >> (7 - i % 8)) & 1u ? scale : -scale;
-}
-
 OneBitAllReduce::OneBitAllReduce(CommunicatorPtr comm, int64_t numel) : comm_(std::move(comm)), numel_(numel) {
   TS_CHECK(comm_, "OneBitAllReduce needs a communicator");
   TS_CHECK(numel >= 0, "OneBitAllReduce: negative size ", numel);

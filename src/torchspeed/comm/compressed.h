@@ -19,7 +19,8 @@ namespace torchspeed::comm {
 //  2. server (rank r, for chunk r): y = sum_j (s_w[j] / N) sgn_j + e_s; s_s = ||y|| / sqrt(C);
 //     e_s = y - s_s sgn(y). Its sign bits and scale are all-gathered.
 //  3. every rank: chunk r of the result = s_s[r] sgn(y_r), the same bits everywhere.
-// A rank sends about 2 L / 8 bytes instead of 2 x 4 L for a ring all-reduce of fp32: 1/32.
+// A rank sends about 2 L / 8 bytes instead of 2 x 4 L for a ring all-reduce of fp32: 1/32. Sign
+// bits are packed most significant bit first (numpy's packbits, as DeepSpeed's), bit 1 for x >= 0.
 class OneBitAllReduce {
  public:
   // For buffers of `numel` fp32 elements over `comm` (the data-parallel group).
@@ -42,9 +43,5 @@ class OneBitAllReduce {
   at::Tensor server_error_;  // [chunk] fp32
 };
 
-// Packs sgn(x) >= 0 as bit 1, most significant bit first (numpy's packbits): n a multiple of 8.
-void pack_signs(const float* x, int64_t n, uint8_t* out);
-// +scale or -scale per bit.
-void unpack_signs(const uint8_t* bits, int64_t n, float scale, float* out);
 
 }  // namespace torchspeed::comm
