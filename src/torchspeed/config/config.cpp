@@ -235,6 +235,7 @@ void only(JsonReader& r, const std::string& key, bool supported, bool fallback, 
 }
 // A DeepSpeed tuning knob with no counterpart here: accepted with a warning saying so when set.
 void no_effect(JsonReader& r, const std::string& key, const std::string& why) {
+  r.accept(key);  // known: warned here, never reported as unknown
   if (r.has(key)) r.warn(key, concat("has no effect in torchspeed: ", why));
 }
 
@@ -296,10 +297,6 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
   }
   only(r, "mics_hierarchical_params_gather", false, false, "MiCS is not available in torchspeed");
   // Implementation choices of DeepSpeed's with no counterpart here (same results either way).
-  for (const char* k : {"legacy_stage1", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
-                        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings"}) {
-    r.accept(k);
-  }
   no_effect(r, "legacy_stage1", "torchspeed has one stage-1 implementation");
   no_effect(r, "use_multi_rank_bucket_allreduce", "buckets are reduced by the communicator's own algorithm");
   no_effect(r, "memory_efficient_linear", "torchspeed's linear layers keep no extra copies to save");
