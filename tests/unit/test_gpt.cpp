@@ -109,6 +109,37 @@ TEST(GPT, ConfigErrorsNameTheKey) {
   }
 }
 
+TEST(GPT, TanhGeluAndLayerNormEpsilonAreTheConfigs) {
+  // GPT-2's MLP uses the tanh approximation: the block's output changes with it, by exactly
+  // what the two GELUs differ by for the same weights.
+  GPTConfig c;
+  c.d_model = 16;
+  c.n_head = 2;
+  torch::manual_seed(3);
+  GPTBlock exact(c);
+  GPTConfig ct = c;
+  ct.activation = "gelu_tanh";
+  ct.layer_norm_eps = 1e-3;
+  GPTBlock tanh_block(ct);
+  {
+    torch::NoGradGuard g;
+    auto src = exact->parameters(), dst = tanh_block->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  const at::Tensor x = torch::randn({2, 5, 16});
+  const at::Tensor h = x + tanh_block->attention(at::layer_norm(x, {16}, tanh_block->ln1->weight, tanh_block->ln1->bias, 1e-3));
+  const at::Tensor want = h + tanh_block->mlp_proj(at::gelu(tanh_block->fc(at::layer_norm(h, {16}, tanh_block->ln2->weight, tanh_block->ln2->bias, 1e-3)), "tanh"));
+  EXPECT_TRUE(torch::allclose(tanh_block->forward(x), want, 1e-5, 1e-6));
+  EXPECT_FALSE(torch::allclose(exact->forward(x), tanh_block->forward(x), 1e-5, 1e-6));
+  EXPECT_EQ(GPTConfig::from_json(ct.to_json()).activation, "gelu_tanh");
+  try {
+    GPTConfig::from_json({{"activation", "relu"}});
+    FAIL();
+  } catch (const torchspeed::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.activation: \"relu\" is not one of"), std::string::npos) << e.what();
+  }
+}
+
 TEST(GPT, SamplingIsSeededAndGreedyIsDeterministic) {
   torch::manual_seed(2);
   GPTConfig c = small();

@@ -166,12 +166,13 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
     }
   }
   const int64_t N = static_cast<int64_t>(toks.size()), d = cfg_.d_model, dl = heads_ * hd_;
+  const double eps = cfg_.layer_norm_eps;
   const at::Tensor tok_t = at::tensor(toks, at::kLong), pos_t = at::tensor(pos, at::kLong);
   const at::Tensor slot_t = at::tensor(slots, at::kLong);
   at::Tensor x = tok_.index_select(0, tok_t).add_(pos_.index_select(0, pos_t));  // [N, d]
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
-    at::Tensor h = at::layer_norm(x, {d}, L.ln1_w, L.ln1_b, 1e-5);
+    at::Tensor h = at::layer_norm(x, {d}, L.ln1_w, L.ln1_b, eps);
     at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, 3 dl]
     at::Tensor q = qkv.narrow(1, 0, dl).reshape({N, heads_, hd_}).contiguous();
     cache.keys(l).index_copy_(0, slot_t, qkv.narrow(1, dl, dl).reshape({N, heads_, hd_}).to(cache.dtype()));
@@ -184,7 +185,7 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
       L.proj.add_bias(a);
     }
     x.add_(a);
-    at::Tensor f = at::gelu(L.fc.forward(at::layer_norm(x, {d}, L.ln2_w, L.ln2_b, 1e-5), decode_rows));
+    at::Tensor f = at::gelu(L.fc.forward(at::layer_norm(x, {d}, L.ln2_w, L.ln2_b, eps), decode_rows), cfg_.gelu_approximate());
     at::Tensor m = L.mlp.forward(f, decode_rows, !tp_);
     if (tp_) {
       tp_->all_reduce(m);
@@ -192,7 +193,7 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
     }
     x.add_(m);
   }
-  at::Tensor hf = at::layer_norm(x.index_select(0, at::tensor(logit_rows, at::kLong)), {d}, lnf_w_, lnf_b_, 1e-5);
+  at::Tensor hf = at::layer_norm(x.index_select(0, at::tensor(logit_rows, at::kLong)), {d}, lnf_w_, lnf_b_, eps);
   return head_.forward(hf, decode_logit_rows);
 }
 

@@ -28,6 +28,12 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& j, const std::string& path)
   c.n_head = r.get_int("n_head", c.n_head, 1, 1 << 12);
   c.dropout = r.get_double("dropout", c.dropout, 0.0, 0.99);
   c.tie_embeddings = r.get_bool("tie_embeddings", c.tie_embeddings);
+  c.activation = r.get_string("activation", c.activation);
+  c.layer_norm_eps = r.get_double("layer_norm_eps", c.layer_norm_eps, 1e-12, 1e-1);
+  if (c.activation != "gelu" && c.activation != "gelu_tanh") {
+    diag.errors.push_back(concat(path, ".activation: \"", c.activation,
+                                 "\" is not one of \"gelu\" (exact) and \"gelu_tanh\" (GPT-2's tanh approximation)"));
+  }
   r.accept("type");
   r.finish();
   if (c.d_model % c.n_head != 0) {
@@ -39,7 +45,8 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& j, const std::string& path)
 
 nlohmann::json GPTConfig::to_json() const {
   return {{"vocab", vocab}, {"seq_len", seq_len}, {"d_model", d_model}, {"n_layer", n_layer},
-          {"n_head", n_head}, {"dropout", dropout}, {"tie_embeddings", tie_embeddings}};
+          {"n_head", n_head}, {"dropout", dropout}, {"tie_embeddings", tie_embeddings},
+          {"activation", activation}, {"layer_norm_eps", layer_norm_eps}};
 }
 
 int64_t GPTConfig::num_params() const {
@@ -106,12 +113,12 @@ at::Tensor GPTEmbeddingImpl::forward(const at::Tensor& tokens) {
   return drop(tok(tokens) + pos(positions).unsqueeze(0));
 }
 
-GPTBlockImpl::GPTBlockImpl(const GPTConfig& c) : n_head(c.n_head) {
+GPTBlockImpl::GPTBlockImpl(const GPTConfig& c) : n_head(c.n_head), gelu_approximate(c.gelu_approximate()) {
   const int64_t d = c.d_model;
-  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).eps(c.layer_norm_eps)));
   qkv = register_module("qkv", torch::nn::Linear(d, 3 * d));
   attn_proj = register_module("attn_proj", torch::nn::Linear(d, d));
-  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).eps(c.layer_norm_eps)));
   fc = register_module("fc", torch::nn::Linear(d, 4 * d));
   mlp_proj = register_module("mlp_proj", torch::nn::Linear(4 * d, d));
   drop = register_module("drop", torch::nn::Dropout(c.dropout));
@@ -132,11 +139,11 @@ at::Tensor GPTBlockImpl::attention(const at::Tensor& x) {
 
 at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
   at::Tensor h = x + drop(attention(ln1(x)));
-  return h + drop(mlp_proj(torch::nn::functional::gelu(fc(ln2(h)))));
+  return h + drop(mlp_proj(at::gelu(fc(ln2(h)), gelu_approximate)));
 }
 
 GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) {
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)));
   if (tied.defined()) {
     weight = register_parameter("weight", tied);
   } else {
@@ -148,7 +155,7 @@ at::Tensor GPTHeadImpl::forward(const at::Tensor& x) { return at::matmul(ln_f(x)
 
 namespace {
 torch::nn::LayerNorm copy_norm(const torch::nn::LayerNorm& src) {
-  torch::nn::LayerNorm n(torch::nn::LayerNormOptions(src->options.normalized_shape()));
+  torch::nn::LayerNorm n(torch::nn::LayerNormOptions(src->options.normalized_shape()).eps(src->options.eps()));
   c10::NoGradGuard g;
   n->weight.copy_(src->weight);
   n->bias.copy_(src->bias);
@@ -171,7 +178,8 @@ at::Tensor GPTEmbeddingTPImpl::forward(const at::Tensor& tokens) {
   return drop(tok(tokens) + pos(positions).unsqueeze(0));
 }
 
-GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPtr& tp) {
+GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPtr& tp)
+    : gelu_approximate(dense->gelu_approximate) {
   TS_CHECK(dense->n_head % tp->size() == 0, "model.n_head ", dense->n_head, " does not divide by tensor_parallel.tp_size ",
            tp->size());
   local_heads = dense->n_head / tp->size();
@@ -194,7 +202,7 @@ at::Tensor GPTBlockTPImpl::forward(const at::Tensor& x) {
   auto parts = q3.view({B, T, 3, local_heads, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
   at::Tensor y = causal_attention(parts[0], parts[1], parts[2], drop).transpose(1, 2).reshape({B, T, local_heads * hd});
   h = x + drop(attn_proj(y));
-  return h + drop(mlp_proj(torch::nn::functional::gelu(fc(ln2(h)))));
+  return h + drop(mlp_proj(at::gelu(fc(ln2(h)), gelu_approximate)));
 }
 
 GPTHeadTPImpl::GPTHeadTPImpl(const GPTHead& dense, const at::Tensor& tied, const comm::CommunicatorPtr& tp_) : tp(tp_) {
@@ -211,7 +219,25 @@ at::Tensor GPTHeadTPImpl::forward(const at::Tensor& x) {
   return at::matmul(tensor_parallel::copy_to_region(ln_f(x), tp), weight.t());
 }
 
-nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr tp) {
+namespace {
+// Copies `init`'s tensors named "<layer>.<param>" into the layer's parameters (`skip`: a tied
+// parameter another layer loads).
+void load_layer(torch::nn::Module& m, const std::string& layer, const InitTensors& init, const std::string& skip = "") {
+  if (!init) return;
+  c10::NoGradGuard g;
+  for (auto& item : m.named_parameters(/*recurse=*/true)) {
+    if (item.key() == skip) continue;
+    const std::string name = layer + "." + item.key();
+    const auto it = init->find(name);
+    TS_CHECK(it != init->end(), "--init-from: the checkpoint has no tensor '", name, "' (shape ", item.value().sizes(), ")");
+    TS_CHECK(it->second.sizes() == item.value().sizes(), "--init-from: tensor '", name, "' has shape ", it->second.sizes(),
+             " in the checkpoint but ", item.value().sizes(), " in the model");
+    item.value().copy_(it->second);
+  }
+}
+}  // namespace
+
+nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr tp, InitTensors init) {
   nn::StackSpec spec;
   spec.seed = seed;
   const bool parallel = tp && tp->size() > 1;
@@ -220,8 +246,9 @@ nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr 
   // The tensor-parallel layers are built from the dense ones (a transient full layer), so every
   // rank slices the same weights the dense model has.
   nn::LayerSpec embed{"embed",
-                      [c, tp, parallel](const nn::TiedTensors&) {
+                      [c, tp, parallel, init](const nn::TiedTensors&) {
                         GPTEmbedding dense(c);
+                        load_layer(*dense, "embed", init);
                         return parallel ? torch::nn::AnyModule(GPTEmbeddingTP(dense, tp)) : torch::nn::AnyModule(dense);
                       },
                       c.vocab * d + c.seq_len * d, {}};
@@ -229,18 +256,26 @@ nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr 
   spec.layers.push_back(embed);
   for (int64_t i = 0; i < c.n_layer; ++i) {
     spec.layers.push_back({"block" + std::to_string(i),
-                           [c, tp, parallel](const nn::TiedTensors&) {
+                           [c, tp, parallel, init, i](const nn::TiedTensors&) {
                              GPTBlock dense(c);
+                             load_layer(*dense, "block" + std::to_string(i), init);
                              return parallel ? torch::nn::AnyModule(GPTBlockTP(dense, tp)) : torch::nn::AnyModule(dense);
                            },
                            block, {}});
   }
   nn::LayerSpec head{"head",
-                     [c, tp, parallel](const nn::TiedTensors& tied) {
+                     [c, tp, parallel, init](const nn::TiedTensors& tied) {
                        const auto it = tied.find("wte");
                        const at::Tensor t = c.tie_embeddings && it != tied.end() ? it->second : at::Tensor();
-                       if (!parallel) return torch::nn::AnyModule(GPTHead(c, t));
-                       return torch::nn::AnyModule(GPTHeadTP(GPTHead(c, at::Tensor()), t, tp));
+                       const std::string skip = c.tie_embeddings ? "weight" : "";
+                       if (!parallel) {
+                         GPTHead head(c, t);
+                         load_layer(*head, "head", init, skip);
+                         return torch::nn::AnyModule(head);
+                       }
+                       GPTHead dense(c, at::Tensor());
+                       load_layer(*dense, "head", init, skip);
+                       return torch::nn::AnyModule(GPTHeadTP(dense, t, tp));
                      },
                      2 * d + c.vocab * d, {}};
   if (c.tie_embeddings) head.ties = {{"weight", "wte"}};

@@ -11,6 +11,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
+#include <memory>
+#include <string>
+
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/nn/layer_spec.h"
 #include "torchspeed/tensor_parallel/layers.h"
@@ -26,6 +30,11 @@ struct GPTConfig {
   int64_t n_head = 4;
   double dropout = 0.0;
   bool tie_embeddings = true;
+  // The MLP's GELU: "gelu" (exact, erf) or "gelu_tanh" (the tanh approximation GPT-2 was trained
+  // with; Hugging Face calls it "gelu_new"). at::gelu's `approximate` argument: "none" or "tanh".
+  std::string activation = "gelu";
+  double layer_norm_eps = 1e-5;
+  const char* gelu_approximate() const { return activation == "gelu_tanh" ? "tanh" : "none"; }
 
   // From a config's "model" section; errors name the JSON path (model.d_model ...).
   static GPTConfig from_json(const nlohmann::json& j, const std::string& path = "model");
@@ -55,6 +64,7 @@ class GPTBlockImpl : public torch::nn::Module {
   torch::nn::Linear qkv{nullptr}, attn_proj{nullptr}, fc{nullptr}, mlp_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
   int64_t n_head;
+  std::string gelu_approximate;
 };
 TORCH_MODULE(GPTBlock);
 
@@ -89,6 +99,7 @@ class GPTBlockTPImpl : public torch::nn::Module {
   tensor_parallel::RowParallelLinear attn_proj{nullptr}, mlp_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
   int64_t local_heads;
+  std::string gelu_approximate;
 };
 TORCH_MODULE(GPTBlockTP);
 
@@ -109,7 +120,13 @@ TORCH_MODULE(GPTHeadTP);
 // and the MLP split column- then row-parallel, a vocabulary-parallel embedding and LM head and
 // a vocabulary-parallel loss; each rank holds its slice of the dense layer's weights (same
 // names), so the model equals the dense one built from the same seed.
-nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed, comm::CommunicatorPtr tp = nullptr);
+// With `init`, every layer's weights are copied from it (our names: "embed.tok.weight",
+// "block0.qkv.weight", ...; a tied head has no "head.weight") right after the dense layer is
+// built, before any slicing: how `torchspeed train --init-from` starts from a checkpoint. A
+// missing tensor or a shape mismatch is an error naming it.
+using InitTensors = std::shared_ptr<const std::map<std::string, at::Tensor>>;
+nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed, comm::CommunicatorPtr tp = nullptr,
+                       InitTensors init = nullptr);
 // Builds the whole stack, seeded from the seed last given to torch::manual_seed.
 nn::LayerStack make_gpt(const GPTConfig& config);
 
