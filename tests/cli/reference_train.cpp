@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
     const auto seed = static_cast<uint64_t>(cfg.seed);
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
     const int gas = static_cast<int>(cfg.gradient_accumulation_steps);
-    auto loaders_of = [&](const std::vector<uint8_t>& split, uint64_t s) {
+    auto loaders_of = [&](const ts::data::TokenIds& split, uint64_t s) {
       std::vector<std::unique_ptr<ts::data::TextLoader>> ls;
       for (int d = 0; d < dp; ++d)
         ls.push_back(std::make_unique<ts::data::TextLoader>(split, gpt.seq_len, micro, d, dp, s));

@@ -146,8 +146,8 @@ int run(const Args& a, const Runtime& rt) {
   auto groups = make_groups(rt, cfg);
   auto engine = initialize(groups, models::gpt_spec(g, 7, groups.tp), cfg);
   // Deterministic text: a few thousand bytes of a repeating pattern with variation.
-  std::vector<uint8_t> tokens(6000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint8_t>(97 + (i * i / 7 + i / 13) % 26);
+  data::TokenIds tokens(6000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(97 + (i * i / 7 + i / 13) % 26);
   const auto& dp = engine->groups().dp;
   data::TextLoader loader(tokens, g.seq_len, micro, dp->rank(), dp->size(), 11);
   // Dropout streams differ per data-parallel rank and agree across a tensor-parallel group (its

@@ -10,6 +10,7 @@
 
 #include "test_util.h"
 #include "torchspeed/data/bpe_tokenizer.h"
+#include "torchspeed/data/text.h"
 
 using torchspeed::data::BpeTokenizer;
 namespace fs = std::filesystem;
@@ -91,5 +92,35 @@ TEST(Bpe, MalformedFilesAreNamed) {
   ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "the vocabulary has no token for byte 0");
   std::ofstream(dir + "/tokenizer.json") << R"({"model": {"type": "WordPiece"}})";
   ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "only BPE models are read");
+  fs::remove_all(dir);
+}
+
+TEST(Bpe, EndOfTextIsSplitOffAsOneTokenAndCorporaTokenizeAndDecodeBack) {
+  // GPT-2's vocab.json holds <|endoftext|>; like Hugging Face's tokenizers it is matched whole,
+  // before pre-tokenization, and is the end-of-text id.
+  const std::string dir = write_tokenizer({{"h", "e"}});
+  nlohmann::json vocab = nlohmann::json::parse(std::ifstream(dir + "/vocab.json"));
+  vocab["<|endoftext|>"] = 257;
+  std::ofstream(dir + "/vocab.json") << vocab.dump();
+  const BpeTokenizer t = BpeTokenizer::from_folder(dir);
+  EXPECT_EQ(t.eos_id(), 257);
+  EXPECT_EQ(t.encode("he<|endoftext|>he"), (std::vector<int64_t>{256, 257, 256}));
+  EXPECT_EQ(t.token_bytes(257), "<|endoftext|>");
+  EXPECT_EQ(t.decode({256, 257}), "he<|endoftext|>");
+  // A corpus tokenized with it: ids, not bytes, and the splits decode back to the text.
+  const fs::path corpus = fs::path(dir) / "corpus";
+  fs::create_directories(corpus);
+  std::string text;
+  for (int i = 0; i < 50; ++i) text += "hello there, he said\n";
+  std::ofstream(corpus / "a.txt") << text;
+  const auto c = torchspeed::data::TextCorpus::load(corpus.string(), 0.2, 4, &t);
+  EXPECT_EQ(c.bytes, static_cast<int64_t>(text.size()));
+  EXPECT_LT(c.train.size() + c.val.size(), text.size());  // "he" merged
+  std::vector<int64_t> all(c.train.begin(), c.train.end());
+  all.insert(all.end(), c.val.begin(), c.val.end());
+  EXPECT_EQ(t.decode(all), text);
+  EXPECT_EQ(torchspeed::data::load_tokenizer(dir)->encode("he"), (std::vector<int64_t>{256}));
+  EXPECT_EQ(torchspeed::data::load_tokenizer("bytes")->encode("he"), (std::vector<int64_t>{'h', 'e'}));
+  ts_test::expect_error([] { torchspeed::data::load_tokenizer("/nonexistent/tok"); }, "tokenizer '/nonexistent/tok' does not exist");
   fs::remove_all(dir);
 }

@@ -102,8 +102,8 @@ TEST(Data, SamplerResumesAtTheExactPosition) {
 // A checkpoint saves the loader's state after the batches it handed out, not after the one it
 // prepared ahead: a resumed loader continues with exactly the batch the original would give next.
 TEST(Data, LoaderStateExcludesThePreparedBatch) {
-  std::vector<uint8_t> tokens(5000);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint8_t>((i * 131) % 251);
+  torchspeed::data::TokenIds tokens(5000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 131) % 251);
   torchspeed::data::TextLoader a(tokens, 16, 4, 0, 2, 3);
   for (int i = 0; i < 5; ++i) a.next();
   const auto saved = a.state();

@@ -281,8 +281,8 @@ TEST(TextStream, StopsAndUtf8) {
   EXPECT_EQ(out, sanitize_utf8("h\xC3\xA9!\xFF"));
   EXPECT_EQ(sanitize_utf8("a\xE2\x82"), "a\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_EQ(complete_utf8_prefix("a\xE2\x82", 3), 1u);
-  EXPECT_EQ(token_text('A'), "A");
-  EXPECT_EQ(token_text(0xE2), "bytes:\\xe2");
+  EXPECT_EQ(token_text(std::string("A")), "A");
+  EXPECT_EQ(token_text(std::string("\xE2")), "bytes:\\xe2");
 }
 
 namespace {

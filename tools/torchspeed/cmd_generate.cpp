@@ -18,7 +18,7 @@ namespace torchspeed::cli {
 Runner add_generate(CLI::App& app) {
   auto* cmd = app.add_subcommand("generate", "Generate text with a trained GPT checkpoint");
   struct Opts {
-    std::string checkpoint, prompt = "\n";
+    std::string checkpoint, tokenizer, prompt = "\n";
     models::SampleOptions sample;
   };
   auto o = std::make_shared<Opts>();
@@ -26,15 +26,17 @@ Runner add_generate(CLI::App& app) {
                   "A run folder, a training checkpoint, a model folder (model.safetensors + config.json) "
                   "or a .safetensors file from `torchspeed convert`")->required();
   cmd->add_option("--prompt", o->prompt, "Text to continue");
-  cmd->add_option("--max-new-tokens", o->sample.max_new_tokens, "Tokens (bytes) to generate")->check(CLI::Range(1, 1000000));
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "\"bytes\", or a BPE tokenizer's tokenizer.json or folder (default: the one beside the model, else the training config's data.tokenizer, else bytes)");
+  cmd->add_option("--max-new-tokens", o->sample.max_new_tokens, "Tokens to generate")->check(CLI::Range(1, 1000000));
   cmd->add_option("--temperature", o->sample.temperature, "Sampling temperature (0: greedy)")->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--top-k", o->sample.top_k, "Sample from the k most likely tokens (0: all)")->check(CLI::Range(0, 1 << 24));
   cmd->add_option("--seed", o->sample.seed, "Random seed");
   return [o]() {
     const auto loaded = checkpoint::load_model(o->checkpoint);
     auto gpt = models::GPTConfig::from_json(loaded.config.value("model", nlohmann::json::object()));
-    data::ByteTokenizer tok;
-    const auto prompt = tok.encode(o->prompt);
+    const auto tok = model_tokenizer(o->checkpoint, loaded, o->tokenizer);
+    const auto prompt = tok->encode(o->prompt);
     TS_CHECK(!prompt.empty(), "generate: the prompt is empty");
     std::vector<int64_t> out;
     if (static_cast<int64_t>(prompt.size()) + o->sample.max_new_tokens <= gpt.seq_len) {
@@ -42,7 +44,7 @@ Runner add_generate(CLI::App& app) {
       const double kv_mb = static_cast<double>(inference::KVCache::bytes_per_block(gpt.n_layer, gpt.n_head, gpt.d_model / gpt.n_head,
                                                                                  inference::KVCacheOptions())) *
                            static_cast<double>(inference::blocks_for(gpt.seq_len, 16)) / 1048576.0 * 1.01;
-      inference::Engine engine(model, inference::EngineOptions().kv(inference::KVCacheOptions().budget_mb(kv_mb)));
+      inference::Engine engine(model, inference::EngineOptions().kv(inference::KVCacheOptions().budget_mb(kv_mb)).tokenizer(tok));
       inference::SamplingParams p;
       p.temperature = o->sample.temperature;
       p.top_k = o->sample.top_k;
@@ -56,8 +58,16 @@ Runner add_generate(CLI::App& app) {
       auto model = models::make_gpt(gpt);
       checkpoint::load_into(model, loaded);
       out = models::sample(model, gpt, prompt, o->sample);
+      // Past the context there is no engine to stop at the end-of-text token: cut there.
+      for (size_t i = 0; i < out.size(); ++i) {
+        if (out[i] == tok->eos_id()) out.resize(i);
+      }
     }
-    std::printf("%s%s\n", o->prompt.c_str(), tok.decode(out).c_str());
+    std::string text;
+    for (int64_t id : out) {
+      if (id != tok->eos_id() && id < tok->vocab_size()) text += tok->token_bytes(id);
+    }
+    std::printf("%s%s\n", o->prompt.c_str(), text.c_str());
     return 0;
   };
 }

@@ -26,7 +26,7 @@ namespace torchspeed::cli {
 namespace {
 
 struct ServeOpts {
-  std::string checkpoint, host = "127.0.0.1", api_key, model_name, weights = "fp32", kv_dtype = "auto", stop_file;
+  std::string checkpoint, tokenizer, host = "127.0.0.1", api_key, model_name, weights = "fp32", kv_dtype = "auto", stop_file;
   bool bf16_dot = true;
   int port = 8000, ranks = 1, tp = 1, http_threads = 64;
   double kv_mb = 256;
@@ -64,6 +64,8 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   auto* cmd = app.add_subcommand("serve", "Serve a trained GPT over an OpenAI-compatible HTTP API");
   auto o = std::make_shared<ServeOpts>();
   cmd->add_option("--checkpoint", o->checkpoint, "What `generate` loads: a run folder, training checkpoint, model folder or .safetensors")->required();
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "\"bytes\", or a BPE tokenizer's tokenizer.json or folder (default: the one beside the model, else the training config's data.tokenizer, else bytes)");
   cmd->add_option("--host", o->host, "Address to bind (default 127.0.0.1: this machine only)");
   cmd->add_option("--port", o->port, "TCP port (0: any free port, printed)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", o->api_key, "Require \"Authorization: Bearer KEY\" on /v1/* (default: TORCHSPEED_API_KEY, else none)");
@@ -113,6 +115,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                     "--max-tokens", std::to_string(o->max_tokens), "--max-n", std::to_string(o->max_n),
                     "--max-body-bytes", std::to_string(o->max_body), "--http-threads", std::to_string(o->http_threads),
                     "--tp", std::to_string(o->tp), "--stop-file", stop};
+      if (!o->tokenizer.empty()) lo.program.insert(lo.program.end(), {"--tokenizer", o->tokenizer});
       if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
       // The key travels in the environment, not on a command line others can read.
       if (!o->api_key.empty()) lo.extra_env.push_back("TORCHSPEED_API_KEY=" + o->api_key);
@@ -145,12 +148,14 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     std::printf("torchspeed serve: listening on http://%s:%d (loading %s)\n", o->host.c_str(), server.port(), o->checkpoint.c_str());
     std::fflush(stdout);
     const auto t0 = std::chrono::steady_clock::now();
-    auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp, o->bf16_dot);
+    const checkpoint::Model loaded = checkpoint::load_model(o->checkpoint);
+    eo.tokenizer(model_tokenizer(o->checkpoint, loaded, o->tokenizer));
+    auto model = std::make_shared<inference::InferenceModel>(loaded, fmt, tp, o->bf16_dot);
     inference::Engine engine(model, eo, tp);
     server.set_engine(&engine);
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights%s, tp %d), context %lld, KV cache %.0f MB %s (%lld blocks of %lld tokens)\n",
-                load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), model->bf16_dot() ? " with bf16 dot products" : "", o->tp,
+    std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights%s, tp %d, tokenizer %s), context %lld, KV cache %.0f MB %s (%lld blocks of %lld tokens)\n",
+                load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), model->bf16_dot() ? " with bf16 dot products" : "", o->tp, eo.tokenizer()->source().c_str(),
                 static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0, eo.kv().dtype() == at::kBFloat16 ? "bf16" : "fp32",
                 static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
     std::fflush(stdout);

@@ -28,3 +28,16 @@ Runner add_convert(CLI::App& app);
 Runner add_serve(CLI::App& app, const Invocation& inv);
 
 }  // namespace torchspeed::cli
+
+#include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/data/tokenizer.h"
+
+namespace torchspeed::cli {
+
+// The tokenizer of a model `load_model(path)` returned: `spec` when given ("bytes" or a
+// tokenizer path); else tokenizer files beside the model (a Hugging Face folder, or the model/
+// folder `torchspeed train` writes); else the training config's data.tokenizer; else bytes.
+// Its vocabulary must fit the model's.
+data::TokenizerPtr model_tokenizer(const std::string& path, const checkpoint::Model& model, const std::string& spec = "");
+
+}  // namespace torchspeed::cli

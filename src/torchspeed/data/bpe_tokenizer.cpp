@@ -203,6 +203,10 @@ BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
     TS_CHECK(vocab_.count(byte_to_unicode_[b]), source_, ": the vocabulary has no token for byte ", b,
              " ('", byte_to_unicode_[b], "'): not a byte-level BPE vocabulary");
   }
+  if (auto it = vocab_.find("<|endoftext|>"); it != vocab_.end()) {
+    eos_ = it->second;
+    added_.emplace_back(it->first, it->second);
+  }
 }
 
 BpeTokenizer BpeTokenizer::from_files(const std::string& vocab_json, const std::string& merges_txt) {
@@ -274,7 +278,26 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
       }
     }
   }
-  return BpeTokenizer(std::move(vocab), std::move(merges), path);
+  BpeTokenizer t(std::move(vocab), std::move(merges), path);
+  if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
+    for (size_t i = 0; i < j["added_tokens"].size(); ++i) {
+      const auto& a = j["added_tokens"][i];
+      TS_CHECK(a.is_object() && a.contains("id") && a["id"].is_number_integer() && a.contains("content") &&
+                   a["content"].is_string(),
+               path, ": added_tokens[", i, "] needs an integer id and a string content");
+      const std::string content = a["content"].get<std::string>();
+      const int64_t id = a["id"].get<int64_t>();
+      if (id >= t.vocab_size()) t.id_to_token_.resize(static_cast<size_t>(id + 1));
+      if (t.id_to_token_[static_cast<size_t>(id)].empty()) t.id_to_token_[static_cast<size_t>(id)] = content;
+      t.vocab_[content] = id;
+      bool known = false;
+      for (const auto& [c, _] : t.added_) known = known || c == content;
+      if (!known) t.added_.emplace_back(content, id);
+      if (content == "<|endoftext|>") t.eos_ = id;
+    }
+  }
+  std::stable_sort(t.added_.begin(), t.added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  return t;
 }
 
 BpeTokenizer BpeTokenizer::from_folder(const std::string& dir) {
@@ -320,23 +343,45 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   }
 }
 
+void BpeTokenizer::encode_plain(const std::string& text, std::vector<int64_t>& out) const {
+  for (const auto& piece : pre_tokenize(text)) bpe(piece, out);
+}
+
 std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
   std::vector<int64_t> out;
-  for (const auto& piece : pre_tokenize(text)) bpe(piece, out);
+  size_t start = 0;
+  while (start < text.size()) {
+    // The earliest added token (the longest one at a tie), else the rest is plain text.
+    size_t at = std::string::npos;
+    const std::pair<std::string, int64_t>* hit = nullptr;
+    for (const auto& a : added_) {
+      const size_t p = text.find(a.first, start);
+      if (p < at) {
+        at = p;
+        hit = &a;
+      }
+    }
+    if (!hit) break;
+    encode_plain(text.substr(start, at - start), out);
+    out.push_back(hit->second);
+    start = at + hit->first.size();
+  }
+  if (start < text.size()) encode_plain(text.substr(start), out);
   return out;
 }
 
-std::string BpeTokenizer::decode(const std::vector<int64_t>& ids) const {
+std::string BpeTokenizer::token_bytes(int64_t id) const {
+  TS_CHECK(id >= 0 && id < vocab_size() && !id_to_token_[static_cast<size_t>(id)].empty(), source_, ": token id ", id,
+           " is not in the vocabulary (", vocab_size(), " ids)");
+  const std::string& tok = id_to_token_[static_cast<size_t>(id)];
+  for (const auto& a : added_) {
+    if (a.second == id) return a.first;  // added tokens are their literal text
+  }
   std::string out;
-  for (int64_t id : ids) {
-    TS_CHECK(id >= 0 && id < vocab_size() && !id_to_token_[static_cast<size_t>(id)].empty(), source_, ": token id ", id,
-             " is not in the vocabulary (", vocab_size(), " ids)");
-    const std::string& tok = id_to_token_[static_cast<size_t>(id)];
-    for (const auto& cp : code_points(tok)) {
-      const auto it = unicode_to_byte_.find(tok.substr(cp.begin, cp.len));
-      TS_CHECK(it != unicode_to_byte_.end(), source_, ": token ", id, " ('", tok, "') holds a character outside the byte map");
-      out += static_cast<char>(it->second);
-    }
+  for (const auto& cp : code_points(tok)) {
+    const auto it = unicode_to_byte_.find(tok.substr(cp.begin, cp.len));
+    TS_CHECK(it != unicode_to_byte_.end(), source_, ": token ", id, " ('", tok, "') holds a character outside the byte map");
+    out += static_cast<char>(it->second);
   }
   return out;
 }

@@ -11,9 +11,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "torchspeed/data/tokenizer.h"
+
 namespace torchspeed::data {
 
-class BpeTokenizer {
+class BpeTokenizer : public Tokenizer {
  public:
   // vocab.json (token -> id) and merges.txt (one "a b" pair per line, rank = line order; a first
   // line starting with "#version" is skipped). Errors name the file and entry.
@@ -23,9 +25,13 @@ class BpeTokenizer {
   // A folder holding tokenizer.json, or vocab.json and merges.txt.
   static BpeTokenizer from_folder(const std::string& dir);
 
-  std::vector<int64_t> encode(const std::string& text) const;
-  std::string decode(const std::vector<int64_t>& ids) const;
-  int64_t vocab_size() const { return static_cast<int64_t>(id_to_token_.size()); }
+  // Added tokens (tokenizer.json's added_tokens; GPT-2's <|endoftext|> from a vocab.json) are
+  // matched literally before pre-tokenization, as Hugging Face's tokenizers do.
+  std::vector<int64_t> encode(const std::string& text) const override;
+  std::string token_bytes(int64_t id) const override;
+  int64_t vocab_size() const override { return static_cast<int64_t>(id_to_token_.size()); }
+  int64_t eos_id() const override { return eos_; }
+  std::string source() const override { return source_; }
   // GPT-2's split of `text` into the pieces BPE runs on (for tests).
   static std::vector<std::string> pre_tokenize(const std::string& text);
 
@@ -33,6 +39,7 @@ class BpeTokenizer {
   BpeTokenizer(std::unordered_map<std::string, int64_t> vocab, std::vector<std::pair<std::string, std::string>> merges,
                const std::string& source);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
+  void encode_plain(const std::string& text, std::vector<int64_t>& out) const;
 
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::string> id_to_token_;
@@ -40,6 +47,8 @@ class BpeTokenizer {
   std::string byte_to_unicode_[256];            // UTF-8 of each byte's character
   std::unordered_map<std::string, uint8_t> unicode_to_byte_;
   std::string source_;
+  std::vector<std::pair<std::string, int64_t>> added_;  // longest first
+  int64_t eos_ = -1;
 };
 
 }  // namespace torchspeed::data

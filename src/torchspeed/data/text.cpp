@@ -11,6 +11,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "torchspeed/runtime/error.h"
 
@@ -25,10 +26,9 @@ std::vector<int64_t> ByteTokenizer::encode(const std::string& text) const {
   return out;
 }
 
-std::string ByteTokenizer::decode(const std::vector<int64_t>& tokens) const {
-  std::string out;
-  for (int64_t t : tokens) out.push_back(static_cast<char>(std::clamp<int64_t>(t, 0, 255)));
-  return out;
+std::string ByteTokenizer::token_bytes(int64_t id) const {
+  TS_CHECK(id >= 0 && id < kVocab, "token id ", id, " is outside the byte vocabulary [0, 256)");
+  return std::string(1, static_cast<char>(id));
 }
 
 namespace {
@@ -52,7 +52,7 @@ std::string read_text(const fs::path& p) {
 }
 }  // namespace
 
-TextCorpus TextCorpus::load(const std::string& path, double val_fraction, int64_t min_tokens) {
+TextCorpus TextCorpus::load(const std::string& path, double val_fraction, int64_t min_tokens, const Tokenizer* tokenizer) {
   TS_CHECK(val_fraction > 0 && val_fraction < 0.5, "data.val_fraction must be in (0, 0.5), got ", val_fraction);
   TS_CHECK(fs::exists(path), "data path '", path, "' does not exist",
            path == kDefaultCorpus ? " (install the corpus: apt-get install fortunes)" : "");
@@ -75,30 +75,33 @@ TextCorpus TextCorpus::load(const std::string& path, double val_fraction, int64_
     text += read_text(f);
     c.files.push_back(f.string());
   }
-  const int64_t n = static_cast<int64_t>(text.size());
-  TS_CHECK(n > 0, "data path '", path, "' holds no text");
+  TS_CHECK(!text.empty(), "data path '", path, "' holds no text");
+  c.bytes = static_cast<int64_t>(text.size());
+  TokenIds ids;
+  if (tokenizer) {
+    for (int64_t id : tokenizer->encode(text)) ids.push_back(static_cast<int32_t>(id));
+  } else {
+    ids.assign(reinterpret_cast<const unsigned char*>(text.data()), reinterpret_cast<const unsigned char*>(text.data()) + text.size());
+  }
+  const int64_t n = static_cast<int64_t>(ids.size());
   const int64_t n_val = static_cast<int64_t>(n * val_fraction);
   TS_CHECK(n - n_val >= min_tokens && n_val >= min_tokens, "the corpus at '", path, "' has ", n,
-           " bytes: too short for windows of ", min_tokens, " tokens in both splits (validation ",
-           n_val, " bytes); use more text or a shorter model.seq_len");
-  c.train.assign(text.begin(), text.end() - n_val);
-  c.val.assign(text.end() - n_val, text.end());
+           " tokens: too short for windows of ", min_tokens, " tokens in both splits (validation ",
+           n_val, " tokens); use more text or a shorter model.seq_len");
+  c.train.assign(ids.begin(), ids.end() - n_val);
+  c.val.assign(ids.end() - n_val, ids.end());
   return c;
 }
 
 double TextCorpus::bigram_entropy() const {
-  std::vector<double> pair(256 * 256, 0.0), first(256, 0.0);
+  std::unordered_map<int64_t, double> pair, first;
   for (size_t i = 0; i + 1 < train.size(); ++i) {
-    pair[train[i] * 256 + train[i + 1]] += 1;
+    pair[(static_cast<int64_t>(train[i]) << 32) | static_cast<uint32_t>(train[i + 1])] += 1;
     first[train[i]] += 1;
   }
   const double total = static_cast<double>(train.size() - 1);
   double h = 0.0;
-  for (int a = 0; a < 256; ++a)
-    for (int b = 0; b < 256; ++b) {
-      const double c = pair[a * 256 + b];
-      if (c > 0) h -= c / total * std::log(c / first[a]);
-    }
+  for (const auto& [key, c] : pair) h -= c / total * std::log(c / first[key >> 32]);
   return h;
 }
 
@@ -140,7 +143,7 @@ void DistributedSampler::load_state(const nlohmann::json& s) {
   current_ = shard(epoch_);
 }
 
-TextLoader::TextLoader(const std::vector<uint8_t>& tokens, int64_t seq_len, int64_t batch, int rank,
+TextLoader::TextLoader(const TokenIds& tokens, int64_t seq_len, int64_t batch, int rank,
                        int size, uint64_t seed)
     : tokens_(tokens),
       seq_len_(seq_len),

@@ -13,27 +13,37 @@
 #include <string>
 #include <vector>
 
+#include "torchspeed/data/tokenizer.h"
+
 namespace torchspeed::data {
 
 constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
 
 // Bytes are tokens (vocab 256): no vocabulary file, any text round-trips.
-struct ByteTokenizer {
+struct ByteTokenizer : Tokenizer {
   static constexpr int64_t kVocab = 256;
-  std::vector<int64_t> encode(const std::string& text) const;
-  std::string decode(const std::vector<int64_t>& tokens) const;
+  std::vector<int64_t> encode(const std::string& text) const override;
+  std::string token_bytes(int64_t id) const override;
+  int64_t vocab_size() const override { return kVocab; }
+  std::string source() const override { return "bytes"; }
 };
 
+// Token ids of a corpus split (int32: GPT-2's 50257 ids and more).
+using TokenIds = std::vector<int32_t>;
+
 struct TextCorpus {
-  std::vector<uint8_t> train, val;
+  TokenIds train, val;
   std::vector<std::string> files;
+  int64_t bytes = 0;  // of text, before tokenization
 
   // Reads a file or every text file under a folder (sorted; fortune index files *.dat and
-  // duplicate links are skipped; '%' separator lines of fortune files dropped). The last
-  // `val_fraction` of the bytes is the validation split. Errors name the path.
-  static TextCorpus load(const std::string& path, double val_fraction, int64_t min_tokens);
+  // duplicate links are skipped; '%' separator lines of fortune files dropped), tokenized with
+  // `tokenizer` (bytes when null). The last `val_fraction` of the tokens is the validation split.
+  // Errors name the path.
+  static TextCorpus load(const std::string& path, double val_fraction, int64_t min_tokens,
+                         const Tokenizer* tokenizer = nullptr);
 
-  // Conditional entropy H(next byte | byte) of the training split, in nats: the loss of the
+  // Conditional entropy H(next token | token) of the training split, in nats: the loss of the
   // best bigram model, the baseline a trained model must beat.
   double bigram_entropy() const;
 };
@@ -68,7 +78,7 @@ struct Batch {
 // Micro-batches of windows from one split, the next one built on a background thread.
 class TextLoader {
  public:
-  TextLoader(const std::vector<uint8_t>& tokens, int64_t seq_len, int64_t batch, int dp_rank,
+  TextLoader(const TokenIds& tokens, int64_t seq_len, int64_t batch, int dp_rank,
              int dp_size, uint64_t seed);
   ~TextLoader();
   Batch next();
@@ -81,7 +91,7 @@ class TextLoader {
 
  private:
   Batch build();
-  const std::vector<uint8_t>& tokens_;
+  const TokenIds& tokens_;
   int64_t seq_len_, batch_, windows_;
   DistributedSampler sampler_;
   std::future<Batch> pending_;

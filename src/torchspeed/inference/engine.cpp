@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "torchspeed/data/text.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 
@@ -49,7 +50,11 @@ Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& optio
       options_(options),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       cache_(std::make_unique<KVCache>(model_->config().n_layer, model_->local_heads(), model_->head_dim(), options.kv())),
-      pool_(cache_->num_blocks()) {
+      pool_(cache_->num_blocks()),
+      tokenizer_(options.tokenizer() ? options.tokenizer() : std::make_shared<data::ByteTokenizer>()),
+      eos_(tokenizer_->eos_id()) {
+  TS_CHECK(tokenizer_->vocab_size() <= model_->config().vocab, "the tokenizer (", tokenizer_->source(), ") has ",
+           tokenizer_->vocab_size(), " tokens, more than the model's vocabulary of ", model_->config().vocab);
   TS_CHECK(options_.max_num_seqs() > 0, "--max-num-seqs must be positive, got ", options_.max_num_seqs());
   TS_CHECK(options_.max_num_batched_tokens() > 0, "--max-batched-tokens must be positive, got ",
            options_.max_num_batched_tokens());
@@ -293,7 +298,11 @@ bool Engine::step() {
           ls_.itl.observe(std::chrono::duration<double>(now - s.last_token).count());
         }
         s.last_token = now;
-        s.stopped = s.text.append(std::string(1, static_cast<char>(g.id)));
+        if (g.id == eos_ && !s.params.ignore_eos) {
+          s.stopped = true;  // the end-of-text token: a stop, its text never shown
+        } else {
+          s.stopped = s.text.append(g.id < tokenizer_->vocab_size() ? tokenizer_->token_bytes(g.id) : std::string());
+        }
         s.new_tokens.push_back(std::move(g));
         if (s.stopped || s.generated >= s.params.max_tokens ||
             static_cast<int64_t>(s.tokens.size()) >= model_->config().seq_len) {

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "torchspeed/data/tokenizer.h"
 #include "torchspeed/inference/kv_cache.h"
 #include "torchspeed/inference/model.h"
 #include "torchspeed/inference/sampler.h"
@@ -34,6 +35,8 @@ struct EngineOptions {
   TORCH_ARG(int64_t, max_num_batched_tokens) = 256;  // tokens in one forward pass
   TORCH_ARG(int64_t, max_queue) = 64;                // waiting requests before submit refuses
   TORCH_ARG(KVCacheOptions, kv) = KVCacheOptions();
+  // Token ids to text (and the end-of-text token that ends a sequence); null: bytes.
+  TORCH_ARG(data::TokenizerPtr, tokenizer) = nullptr;
 };
 
 struct GeneratedToken {
@@ -98,6 +101,7 @@ class Engine {
   EngineStats stats() const;
   const InferenceModel& model() const { return *model_; }
   const EngineOptions& options() const { return options_; }
+  const data::Tokenizer& tokenizer() const { return *tokenizer_; }
   int64_t context_length() const { return model_->config().seq_len; }
   int64_t kv_cache_bytes() const { return cache_->bytes(); }
 
@@ -120,6 +124,8 @@ class Engine {
   comm::CommunicatorPtr tp_;
   std::unique_ptr<KVCache> cache_;
   BlockPool pool_;
+  data::TokenizerPtr tokenizer_;
+  int64_t eos_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_, done_cv_;

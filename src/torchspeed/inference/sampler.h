@@ -22,6 +22,7 @@ struct SamplingParams {
   std::vector<std::string> stop;  // generation ends before the first occurrence of any
   int64_t logprobs = -1;          // -1: none; N: the chosen token's and the N most likely
   bool prompt_logprobs = false;   // also every prompt token's (OpenAI's echo with logprobs)
+  bool ignore_eos = false;        // keep generating past the tokenizer's end-of-text token
 };
 
 struct TokenLogprobs {

@@ -60,11 +60,15 @@ size_t complete_utf8_prefix(const std::string& s, size_t n) {
   return n;
 }
 
-std::string token_text(int64_t t) {
-  if (t >= 0 && t < 0x80) return std::string(1, static_cast<char>(t));
-  char buf[16];
-  std::snprintf(buf, sizeof(buf), "bytes:\\x%02x", static_cast<unsigned>(t & 0xFF));
-  return buf;
+std::string token_text(const std::string& b) {
+  if (!b.empty() && complete_utf8_prefix(b, b.size()) == b.size() && sanitize_utf8(b) == b) return b;
+  std::string out = "bytes:";
+  for (unsigned char c : b) {
+    char buf[8];
+    std::snprintf(buf, sizeof(buf), "\\x%02x", static_cast<unsigned>(c));
+    out += buf;
+  }
+  return out;
 }
 
 bool TextStream::append(const std::string& bytes) {

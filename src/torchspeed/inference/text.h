@@ -14,8 +14,9 @@ std::string sanitize_utf8(const std::string& bytes);
 // The length of the longest prefix of bytes[0, n) that does not end inside a well-formed but
 // incomplete UTF-8 sequence.
 size_t complete_utf8_prefix(const std::string& bytes, size_t n);
-// OpenAI's way to name a byte token that is not text on its own: "bytes:\xNN".
-std::string token_text(int64_t byte_token);
+// A token as OpenAI names it: its bytes when they are valid UTF-8 on their own, else
+// "bytes:\xNN\xNN..." (what OpenAI writes for a token that is part of a character).
+std::string token_text(const std::string& token_bytes);
 
 class TextStream {
  public:

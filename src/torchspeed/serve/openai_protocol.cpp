@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <set>
 
+#include "torchspeed/data/text.h"
 #include "torchspeed/inference/text.h"
 
 namespace torchspeed::serve {
@@ -135,6 +136,17 @@ void common_sampling(const json& b, const ProtocolLimits& l, CompletionRequest& 
   if (present(b, "user") && !b.at("user").is_string()) bad("user", "expected a string");
 }
 
+const data::Tokenizer& tokenizer_of(const ProtocolLimits& l) {
+  static const data::ByteTokenizer bytes;
+  return l.tokenizer ? *l.tokenizer : static_cast<const data::Tokenizer&>(bytes);
+}
+// A token's bytes; ids the tokenizer lacks (a model vocabulary padded past it) have none.
+std::string bytes_of_token(const ProtocolLimits& l, int64_t id) {
+  const auto& t = tokenizer_of(l);
+  return id < t.vocab_size() ? t.token_bytes(id) : std::string();
+}
+std::vector<int64_t> encode(const ProtocolLimits& l, const std::string& s) { return tokenizer_of(l).encode(s); }
+
 std::vector<int64_t> token_list(const json& a, const std::string& field, int64_t vocab) {
   std::vector<int64_t> out;
   for (const json& t : a) {
@@ -155,12 +167,12 @@ void add_prompt(CompletionRequest& r, std::vector<int64_t> toks, const std::stri
                    field, "invalid_request_error", "context_length_exceeded");
   }
   std::string text;
-  for (int64_t t : toks) text += static_cast<char>(t);
+  for (int64_t t : toks) text += bytes_of_token(l, t);
   r.prompt_texts.push_back(inference::sanitize_utf8(text));
   r.prompts.push_back(std::move(toks));
 }
 
-std::vector<int64_t> bytes_of(const std::string& s) { return std::vector<int64_t>(reinterpret_cast<const unsigned char*>(s.data()), reinterpret_cast<const unsigned char*>(s.data()) + s.size()); }
+
 
 void check_choices(const CompletionRequest& r, const ProtocolLimits& l) {
   const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.n;
@@ -183,13 +195,13 @@ CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
   if (!present(b, "prompt")) bad("prompt", "required");
   const json& p = b.at("prompt");
   if (p.is_string()) {
-    add_prompt(r, bytes_of(p.get<std::string>()), "prompt", l);
+    add_prompt(r, encode(l, p.get<std::string>()), "prompt", l);
   } else if (p.is_array() && !p.empty() && p[0].is_number()) {
     add_prompt(r, token_list(p, "prompt", l.vocab), "prompt", l);
   } else if (p.is_array() && !p.empty()) {
     for (size_t i = 0; i < p.size(); ++i) {
       const std::string f = "prompt[" + std::to_string(i) + "]";
-      if (p[i].is_string()) add_prompt(r, bytes_of(p[i].get<std::string>()), f, l);
+      if (p[i].is_string()) add_prompt(r, encode(l, p[i].get<std::string>()), f, l);
       else if (p[i].is_array()) add_prompt(r, token_list(p[i], f, l.vocab), f, l);
       else bad(f, "expected a string or a list of token ids");
     }
@@ -256,50 +268,55 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
     bad("messages", "required: a non-empty list of {role, content}");
   }
   r.params.stop.push_back(kChatStop);
-  add_prompt(r, bytes_of(chat_prompt(b.at("messages"))), "messages", l);
+  add_prompt(r, encode(l, chat_prompt(b.at("messages"))), "messages", l);
   check_choices(r, l);
   return r;
 }
 
 namespace {
-json token_bytes(int64_t t) { return json::array({t}); }
+json token_bytes(const ProtocolLimits& l, int64_t t) {
+  json out = json::array();
+  for (unsigned char c : bytes_of_token(l, t)) out.push_back(static_cast<int>(c));
+  return out;
+}
+std::string token_text(const ProtocolLimits& l, int64_t t) { return inference::token_text(bytes_of_token(l, t)); }
 
-json completion_logprobs(const CompletionRequest& req, const ChoiceResult& c, size_t prompt_index, bool with_prompt,
-                         const std::vector<inference::GeneratedToken>& tokens, int64_t offset0) {
+json completion_logprobs(const ProtocolLimits& l, const CompletionRequest& req, const ChoiceResult& c, size_t prompt_index,
+                         bool with_prompt, const std::vector<inference::GeneratedToken>& tokens, int64_t offset0) {
   json toks = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
   int64_t off = offset0;
   auto add = [&](int64_t id, const json& lp, const json& top) {
-    toks.push_back(inference::token_text(id));
+    toks.push_back(token_text(l, id));
     lps.push_back(lp);
     tops.push_back(top);
     offs.push_back(off);
-    off += 1;  // one byte per token
+    off += static_cast<int64_t>(bytes_of_token(l, id).size());
   };
   if (with_prompt) {
     const auto& prompt = req.prompts[prompt_index];
     add(prompt[0], nullptr, nullptr);
     for (const auto& g : c.prompt_lps) {
       json top = json::object();
-      for (const auto& [id, v] : g.logprobs.top) top[inference::token_text(id)] = v;
+      for (const auto& [id, v] : g.logprobs.top) top[token_text(l, id)] = v;
       add(g.id, g.logprobs.logprob, top);
     }
   }
   for (const auto& g : tokens) {
     json top = json::object();
-    for (const auto& [id, v] : g.logprobs.top) top[inference::token_text(id)] = v;
+    for (const auto& [id, v] : g.logprobs.top) top[token_text(l, id)] = v;
     add(g.id, g.logprobs.logprob, top);
   }
   return {{"tokens", toks}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
-json chat_logprobs(const std::vector<inference::GeneratedToken>& tokens) {
+json chat_logprobs(const ProtocolLimits& l, const std::vector<inference::GeneratedToken>& tokens) {
   json content = json::array();
   for (const auto& g : tokens) {
     json top = json::array();
     for (const auto& [id, v] : g.logprobs.top) {
-      top.push_back({{"token", inference::token_text(id)}, {"logprob", v}, {"bytes", token_bytes(id)}});
+      top.push_back({{"token", token_text(l, id)}, {"logprob", v}, {"bytes", token_bytes(l, id)}});
     }
-    content.push_back({{"token", inference::token_text(g.id)}, {"logprob", g.logprobs.logprob}, {"bytes", token_bytes(g.id)},
+    content.push_back({{"token", token_text(l, g.id)}, {"logprob", g.logprobs.logprob}, {"bytes", token_bytes(l, g.id)},
                        {"top_logprobs", top}});
   }
   return {{"content", content}};
@@ -322,13 +339,13 @@ json completion_response(const std::string& id, int64_t created, const ProtocolL
     if (req.chat) {
       out_choices.push_back({{"index", i},
                              {"message", {{"role", "assistant"}, {"content", c.text}}},
-                             {"logprobs", req.logprobs >= 0 ? chat_logprobs(c.tokens) : json(nullptr)},
+                             {"logprobs", req.logprobs >= 0 ? chat_logprobs(l, c.tokens) : json(nullptr)},
                              {"finish_reason", c.finish_reason}});
     } else {
       const std::string text = req.echo ? req.prompt_texts[pi] + c.text : c.text;
       json lp = nullptr;
       if (req.logprobs >= 0) {
-        lp = completion_logprobs(req, c, pi, req.echo, c.tokens, 0);
+        lp = completion_logprobs(l, req, c, pi, req.echo, c.tokens, 0);
       }
       out_choices.push_back({{"index", i}, {"text", text}, {"logprobs", lp}, {"finish_reason", c.finish_reason}});
     }
@@ -351,14 +368,14 @@ json stream_chunk(const std::string& id, int64_t created, const ProtocolLimits& 
     json delta = json::object();
     if (first) delta["role"] = "assistant";
     if (!text.empty() || first) delta["content"] = text;
-    choice = {{"index", index}, {"delta", delta}, {"logprobs", req.logprobs >= 0 && !tokens.empty() ? chat_logprobs(tokens) : json(nullptr)},
+    choice = {{"index", index}, {"delta", delta}, {"logprobs", req.logprobs >= 0 && !tokens.empty() ? chat_logprobs(l, tokens) : json(nullptr)},
               {"finish_reason", reason}};
   } else {
     const std::string t = first && req.echo ? req.prompt_texts[pi] + text : text;
     json lp = nullptr;
     if (req.logprobs >= 0) {
       ChoiceResult c;
-      lp = completion_logprobs(req, c, pi, false, tokens, 0);
+      lp = completion_logprobs(l, req, c, pi, false, tokens, 0);
     }
     choice = {{"index", index}, {"text", t}, {"logprobs", lp}, {"finish_reason", reason}};
   }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "torchspeed/data/tokenizer.h"
 #include "torchspeed/inference/engine.h"
 
 namespace torchspeed::serve {
@@ -31,6 +32,7 @@ struct ProtocolLimits {
   int64_t vocab = 256;
   int64_t max_tokens = 0;      // per choice; 0: up to the context
   int64_t max_n = 16;          // choices per request (prompts x n)
+  data::TokenizerPtr tokenizer;  // text <-> token ids; null: bytes
 };
 
 // The chat template: "<|system|>\n...\n<|user|>\n...\n<|assistant|>\n" per message, then

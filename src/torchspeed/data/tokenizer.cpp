@@ -1,0 +1,27 @@
+// Tokenizer helpers: decoding through token_bytes, and choosing a tokenizer by name or path.
+#include "torchspeed/data/tokenizer.h"
+
+#include <filesystem>
+
+#include "torchspeed/data/bpe_tokenizer.h"
+#include "torchspeed/data/text.h"
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::data {
+
+std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
+  std::string out;
+  for (int64_t id : ids) out += token_bytes(id);
+  return out;
+}
+
+TokenizerPtr load_tokenizer(const std::string& spec) {
+  namespace fs = std::filesystem;
+  if (spec.empty() || spec == "bytes") return std::make_shared<ByteTokenizer>();
+  TS_CHECK(fs::exists(spec), "tokenizer '", spec,
+           "' does not exist: give \"bytes\", a tokenizer.json, or a folder with tokenizer.json or vocab.json + merges.txt");
+  if (fs::is_directory(spec)) return std::make_shared<BpeTokenizer>(BpeTokenizer::from_folder(spec));
+  return std::make_shared<BpeTokenizer>(BpeTokenizer::from_tokenizer_json(spec));
+}
+
+}  // namespace torchspeed::data
