@@ -9,10 +9,13 @@
 #include <map>
 #include <random>
 #include <tuple>
+#include <unistd.h>
 #include <vector>
 
 #include "test_util.h"
+#include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/checkpoint/crc32c.h"
+#include "torchspeed/checkpoint/hf_gpt2.h"
 #include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/zero/partition_layout.h"
@@ -297,4 +300,66 @@ TEST(Checkpoint, LayoutPiecesCoverEveryParameterOnce) {
     for (const auto& [name, h] : hits)
       for (size_t i = 0; i < h.size(); ++i) ASSERT_EQ(h[i], expected) << name << "[" << i << "] stage " << l.stage;
   }
+}
+
+TEST(Checkpoint, Gpt2FoldersRoundTripWithTransformersNamesAndConv1DLayout) {
+  namespace hf = ck::hf;
+  const std::string dir = (std::filesystem::temp_directory_path() / ("ts-hf-" + std::to_string(::getpid()))).string();
+  const nlohmann::json section = {{"vocab", 11}, {"seq_len", 6},  {"d_model", 4},          {"n_layer", 1},
+                                  {"n_head", 2}, {"dropout", 0.0}, {"tie_embeddings", true}, {"activation", "gelu_tanh"},
+                                  {"layer_norm_eps", 1e-5}};
+  ck::NamedTensors ours;
+  auto add = [&](const std::string& n, std::vector<int64_t> shape) { ours.emplace_back(n, at::randn(shape)); };
+  add("embed.tok.weight", {11, 4});
+  add("embed.pos.weight", {6, 4});
+  for (const char* ln : {"ln1", "ln2"}) {
+    add(std::string("block0.") + ln + ".weight", {4});
+    add(std::string("block0.") + ln + ".bias", {4});
+  }
+  add("block0.qkv.weight", {12, 4});
+  add("block0.qkv.bias", {12});
+  add("block0.attn_proj.weight", {4, 4});
+  add("block0.attn_proj.bias", {4});
+  add("block0.fc.weight", {16, 4});
+  add("block0.fc.bias", {16});
+  add("block0.mlp_proj.weight", {4, 16});
+  add("block0.mlp_proj.bias", {4});
+  add("head.ln_f.weight", {4});
+  add("head.ln_f.bias", {4});
+  hf::save_gpt2(dir, ours, section, at::kFloat);
+  // transformers' names and layout on disk.
+  const auto file = ck::load_safetensors(dir + "/model.safetensors");
+  EXPECT_EQ(file.metadata.at("format"), "pt");
+  EXPECT_TRUE(at::equal(file.at("transformer.h.0.mlp.c_fc.weight"), ours[10].second.t()));  // [d, 4d]
+  EXPECT_TRUE(at::equal(file.at("transformer.h.0.attn.c_attn.bias"), ours[7].second));
+  const auto cfg = nlohmann::json::parse(std::ifstream(dir + "/config.json"));
+  EXPECT_EQ(cfg.at("model_type"), "gpt2");
+  EXPECT_EQ(cfg.at("activation_function"), "gelu_new");
+  EXPECT_EQ(cfg.at("n_embd"), 4);
+  EXPECT_TRUE(cfg.at("eos_token_id").is_null());
+  EXPECT_TRUE(hf::is_hf_folder(dir));
+  // And back, by load_model: every tensor bit-equal under its own name; the same section.
+  const auto back = ck::load_model(dir);
+  EXPECT_EQ(back.config.at("model"), section);
+  ASSERT_EQ(back.params.size(), ours.size());
+  for (const auto& [name, t] : ours) {
+    bool found = false;
+    for (const auto& [n, b] : back.params) found = found || (n == name && at::equal(b, t));
+    EXPECT_TRUE(found) << name;
+  }
+  // What our GPT cannot compute is refused naming config.json's key.
+  auto refused = [&](const char* key, nlohmann::json value, const std::string& needle) {
+    nlohmann::json c = cfg;
+    c[key] = value;
+    ts_test::expect_error([&] { hf::model_section_from_gpt2(c, "x/config.json"); }, needle);
+  };
+  refused("model_type", "llama", "x/config.json: \"model_type\" is \"llama\"");
+  refused("activation_function", "relu", "\"activation_function\" is \"relu\"");
+  refused("n_inner", 8, "\"n_inner\" is 8");
+  refused("scale_attn_by_inverse_layer_idx", true, "\"scale_attn_by_inverse_layer_idx\": true is not supported");
+  refused("attn_pdrop", 0.3, "\"attn_pdrop\" differs from \"resid_pdrop\"");
+  // An unknown tensor in the file is named with the file.
+  ck::save_safetensors(dir + "/model.safetensors", {{"transformer.h.0.attn.q_proj.weight", at::zeros({4, 4})}});
+  ts_test::expect_error([&] { ck::load_model(dir); }, "tensor \"transformer.h.0.attn.q_proj.weight\" is not part of a GPT-2");
+  std::filesystem::remove_all(dir);
 }

@@ -2,32 +2,51 @@
 // of a sharded training checkpoint in one safetensors file (DeepSpeed's zero_to_fp32), with the
 // model's parameter names and the training config in its metadata (so `torchspeed generate`
 // can load the file alone).
+// `torchspeed convert CHECKPOINT --format hf --to DIR`: a Hugging Face GPT-2 folder
+// (config.json, model.safetensors with transformers' names and Conv1D layout, the tokenizer's
+// files) that transformers' GPT2LMHeadModel.from_pretrained(DIR) loads.
 #include <ATen/ATen.h>
 
 #include <cstdio>
 
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/checkpoint/hf_gpt2.h"
+#include "torchspeed/data/tokenizer.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::cli {
 
 Runner add_convert(CLI::App& app) {
-  auto* cmd = app.add_subcommand("convert", "Consolidate a training checkpoint into one model.safetensors");
+  auto* cmd = app.add_subcommand("convert", "Consolidate a training checkpoint into one model.safetensors, or a Hugging Face GPT-2 folder");
   struct Opts {
-    std::string checkpoint, to, dtype = "fp32";
+    std::string checkpoint, to, dtype = "fp32", format = "safetensors", tokenizer;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("checkpoint", o->checkpoint, "Checkpoint folder: a tag folder, or one with `latest`")->required();
-  cmd->add_option("--to", o->to, "Output .safetensors file")->required();
+  cmd->add_option("checkpoint", o->checkpoint,
+                  "A training checkpoint (a tag folder, or one with `latest`), a run folder or a model folder")->required();
+  cmd->add_option("--to", o->to, "Output: a .safetensors file, or with --format hf a folder")->required();
+  cmd->add_option("--format", o->format, "safetensors (torchspeed's names, config in the metadata) or hf (GPT-2 for transformers)")
+      ->check(CLI::IsMember({"safetensors", "hf"}));
+  cmd->add_option("--tokenizer", o->tokenizer, "With --format hf: the tokenizer to copy beside the model (default: the model's own)");
   cmd->add_option("--dtype", o->dtype, "Output dtype")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   return [o]() {
-    auto model = checkpoint::consolidate(o->checkpoint);
+    auto model = checkpoint::load_model(o->checkpoint);
     const at::ScalarType dt = o->dtype == "bf16" ? at::kBFloat16 : o->dtype == "fp16" ? at::kHalf : at::kFloat;
     int64_t numel = 0;
     for (auto& [name, t] : model.params) {
       t = t.to(dt);
       numel += t.numel();
+    }
+    if (o->format == "hf") {
+      const auto tok = model_tokenizer(o->checkpoint, model, o->tokenizer);
+      const bool bytes = tok->source() == "bytes";
+      const auto section = model.config.value("model", nlohmann::json::object());
+      const int64_t b = checkpoint::hf::save_gpt2(o->to, model.params, section, dt, bytes ? "" : tok->source(), tok->eos_id());
+      std::printf("%s: GPT-2 folder for transformers, %.2fM parameters (%s), step %ld, %.1f MB, tokenizer %s\n", o->to.c_str(),
+                  numel / 1e6, o->dtype.c_str(), static_cast<long>(model.step), b / 1e6,
+                  bytes ? "bytes (no files: token id = byte)" : tok->source().c_str());
+      return 0;
     }
     const auto d = checkpoint::save_safetensors(
         o->to, model.params,

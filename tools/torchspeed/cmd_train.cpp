@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <fstream>
 #include <unistd.h>
 
@@ -63,6 +65,7 @@ struct TrainSection {
 struct DataSection {
   std::string path = data::kDefaultCorpus;
   double val_fraction = 0.1;
+  std::string tokenizer = "bytes";  // or a BPE tokenizer's tokenizer.json / folder
 };
 
 TrainSection read_train(const nlohmann::json& j) {
@@ -86,6 +89,7 @@ DataSection read_data(const nlohmann::json& j) {
   DataSection s;
   s.path = r.get_string("path", s.path);
   s.val_fraction = r.get_double("val_fraction", s.val_fraction, 1e-6, 0.5);
+  s.tokenizer = r.get_string("tokenizer", s.tokenizer);
   r.finish();
   if (!d.errors.empty()) throw config::ConfigError(d.errors);
   return s;
@@ -131,7 +135,7 @@ std::string default_out_dir() {
 Runner add_train(CLI::App& app, const Invocation& inv) {
   auto* cmd = app.add_subcommand("train", "Train the GPT of a config on a text corpus");
   struct Opts {
-    std::string config, data, out;
+    std::string config, data, out, init_from;
     int ranks = 1;
     bool resume = false;
     std::vector<std::string> sets;
@@ -142,6 +146,9 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
   cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
   cmd->add_option("--out", o->out, "Output folder (default runs/<date-time>)");
   cmd->add_option("--set", o->sets, "Override a config key by its dotted path, e.g. --set train.steps=200");
+  cmd->add_option("--init-from", o->init_from,
+                  "Start from this model's weights: a Hugging Face GPT-2 folder, or anything `generate` loads; its shape fills "
+                  "the config's model section, and its tokenizer is used unless data.tokenizer is set");
   cmd->add_flag("--resume", o->resume, "Continue from OUT/checkpoints/latest (exactly: data order, RNG, optimizer)");
   return [o, &inv]() -> int {
     if (o->out.empty()) o->out = default_out_dir();
@@ -154,6 +161,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       if (!o->data.empty()) lo.program.insert(lo.program.end(), {"--data", o->data});
       for (const auto& s : o->sets) lo.program.insert(lo.program.end(), {"--set", s});
       if (o->resume) lo.program.push_back("--resume");
+      if (!o->init_from.empty()) lo.program.insert(lo.program.end(), {"--init-from", o->init_from});
       std::fflush(stdout);
       // Ctrl-C: ask the ranks to stop after their current step and save (see stop_file below).
       const std::string stop = o->out + "/STOP";
@@ -170,6 +178,32 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
 
     nlohmann::json j = config::read_json_file(o->config);
     for (const auto& s : o->sets) apply_override(j, s);
+    // --init-from: the model's shape comes from the checkpoint; a key the config also gives must
+    // agree (dropout may differ: it is a training setting).
+    std::optional<checkpoint::Model> init;
+    if (!o->init_from.empty()) {
+      init = checkpoint::load_model(o->init_from);
+      nlohmann::json model = j.value("model", nlohmann::json::object());
+      const nlohmann::json given = init->config.value("model", nlohmann::json::object());  // named: items() refers to it
+      for (const auto& [k, v] : given.items()) {
+        if (model.contains(k) && k != "dropout" && model.at(k) != v) {
+          TS_CHECK(false, o->config, ": model.", k, " is ", model.at(k).dump(), " but the model of --init-from ", o->init_from,
+                   " has ", v.dump(), "; leave it out of the config (--init-from sets it)");
+        }
+        if (!model.contains(k)) model[k] = v;
+      }
+      j["model"] = model;
+      const auto data_j = j.value("data", nlohmann::json::object());
+      if (!data_j.is_object() || !data_j.contains("tokenizer")) {
+        j["data"]["tokenizer"] = model_tokenizer(o->init_from, *init)->source();
+      }
+    }
+    // A tokenizer path is saved absolute in checkpoints and the model's config.json, so that
+    // generate, serve and convert find it from anywhere.
+    if (j.contains("data") && j["data"].is_object() && j["data"].contains("tokenizer") && j["data"]["tokenizer"].is_string()) {
+      const std::string t = j["data"]["tokenizer"].get<std::string>();
+      if (t != "bytes" && !t.empty()) j["data"]["tokenizer"] = std::filesystem::absolute(t).lexically_normal().string();
+    }
     config::WorldShape shape;
     shape.world_size = rt.world_size;
     // "auto" values (Hugging Face configs): the steps and hidden size from our own sections.
@@ -183,15 +217,23 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     DataSection ds = read_data(cfg.sections.value("data", nlohmann::json::object()));
     if (!o->data.empty()) ds.path = o->data;
     const TrainSection ts = read_train(cfg.sections.value("train", nlohmann::json::object()));
-    TS_CHECK(gpt.vocab >= data::ByteTokenizer::kVocab, "model.vocab must be >= 256 for the byte tokenizer, got ", gpt.vocab);
+    const data::TokenizerPtr tokenizer = data::load_tokenizer(ds.tokenizer);
+    TS_CHECK(gpt.vocab >= tokenizer->vocab_size(), "model.vocab is ", gpt.vocab, " but the tokenizer (", tokenizer->source(), ") has ",
+             tokenizer->vocab_size(), " tokens: raise model.vocab to at least that");
 
-    auto corpus = data::TextCorpus::load(ds.path, ds.val_fraction, gpt.seq_len + 1);
+    auto corpus = data::TextCorpus::load(ds.path, ds.val_fraction, gpt.seq_len + 1, tokenizer.get());
     const double bigram = corpus.bigram_entropy();
     torch::manual_seed(static_cast<uint64_t>(cfg.seed));
     // From the spec: with pipeline.stages > 1 each rank builds only its stage's layers.
     // With tensor_parallel.tp_size > 1 the layers split over the grid's tensor-parallel group.
     auto groups = make_groups(rt, cfg);
-    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp), cfg,
+    models::InitTensors init_tensors;
+    if (init) {
+      auto m = std::make_shared<std::map<std::string, at::Tensor>>();
+      for (const auto& [name, t] : init->params) (*m)[name] = t;
+      init_tensors = m;
+    }
+    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors), cfg,
                              {no_weight_decay_group(ts.no_decay_embeddings)});
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
@@ -220,9 +262,11 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
                   rt.world_size, dp->size(), cfg.pp, cfg.tp, cfg.zero.stage,
                   precision::precision_name(engine->precision()), static_cast<long>(cfg.train_batch_size),
                   static_cast<long>(micro), static_cast<long>(cfg.gradient_accumulation_steps), dp->size());
-      std::printf("  data: %s, %zu files, %.2f MB train / %.2f MB validation\n", ds.path.c_str(),
-                  corpus.files.size(), corpus.train.size() / 1e6, corpus.val.size() / 1e6);
-      std::printf("  bigram baseline (entropy of the next byte given the previous one): %.4f nats\n", bigram);
+      std::printf("  data: %s, %zu files, %.2f MB of text; tokenizer %s: %.2fM train / %.2fM validation tokens\n",
+                  ds.path.c_str(), corpus.files.size(), corpus.bytes / 1e6, tokenizer->source().c_str(),
+                  corpus.train.size() / 1e6, corpus.val.size() / 1e6);
+      if (init) std::printf("  initialized from %s\n", init->source.c_str());
+      std::printf("  bigram baseline (entropy of the next token given the previous one): %.4f nats\n", bigram);
       std::printf("  output: %s\n", o->out.c_str());
       std::fflush(stdout);
     }

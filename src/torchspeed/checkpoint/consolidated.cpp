@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <set>
 
+#include "torchspeed/checkpoint/hf_gpt2.h"
 #include "torchspeed/checkpoint/reshard.h"
 #include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/config/config.h"
@@ -59,6 +60,7 @@ Model load_model(const std::string& path) {
     if (f.metadata.count("step")) m.step = std::stoll(f.metadata["step"]);
     return m;
   }
+  if (hf::is_hf_folder(path)) return hf::load_gpt2(path);
   if (fs::exists(p / "model.safetensors") && fs::exists(p / "config.json")) {
     const std::string file = (p / "model.safetensors").string();
     auto f = load_safetensors(file);
