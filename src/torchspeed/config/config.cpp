@@ -53,10 +53,9 @@ void read_optimizer(JsonReader& r, OptimizerConfig& c) {
   c.type = r.get_string("type", "", {"Adam", "AdamW", "SGD", "Lamb", "OneBitAdam", "ZeroOneAdam",
                                      "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD"});
   if (c.type.empty() && r.has("type") == false) r.error("type", "is required in an optimizer section");
-  if (c.type != "" && c.type != "Adam" && c.type != "AdamW" && c.type != "SGD" && c.type != "Lamb" &&
-      c.type != "OneBitAdam") {
+  if (c.type != "" && c.type != "Adam" && c.type != "AdamW" && c.type != "SGD" && c.type != "Lamb" && !c.one_bit()) {
     r.error("type", concat("\"", c.type, "\" is a DeepSpeed optimizer torchspeed does not have; "
-                        "use Adam, AdamW, SGD, Lamb or OneBitAdam"));
+                        "use Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb"));
   }
   auto p = r.child("params");
   if (!p) {
@@ -76,13 +75,32 @@ void read_optimizer(JsonReader& r, OptimizerConfig& c) {
     }
     c.eps = p->get_double("eps", 1e-8, 0.0);
     c.bias_correction = p->get_bool("bias_correction", true);
-    if (c.type == "OneBitAdam") {  // deepspeed.runtime.fp16.onebit.adam.OnebitAdam's parameters
-      c.freeze_step = p->get_int("freeze_step", 100000, 0);
-      if (c.bias_correction && p->has("bias_correction")) {
-        p->warn("bias_correction", "1-bit Adam has no bias correction (DeepSpeed's OnebitAdam ignores this flag too)");
+    if (c.one_bit()) {  // deepspeed.runtime.fp16.onebit's OnebitAdam, ZeroOneAdam and OnebitLamb
+      const char* name = c.type == "OneBitAdam" ? "1-bit Adam" : c.type == "ZeroOneAdam" ? "0/1 Adam" : "1-bit Lamb";
+      if (c.type == "ZeroOneAdam") {
+        c.var_freeze_step = p->get_int("var_freeze_step", 100000, 0);
+        c.var_update_scaler = p->get_int("var_update_scaler", 16, 1);
+        c.local_step_scaler = p->get_int("local_step_scaler", 32678, 1);
+        c.local_step_clipper = p->get_int("local_step_clipper", 16, 1);
+      } else {
+        c.freeze_step = p->get_int("freeze_step", 100000, 0);
       }
+      if (c.type == "OneBitLamb") {
+        c.max_coeff = p->get_double("max_coeff", 10.0, 0.0);
+        c.min_coeff = p->get_double("min_coeff", 0.01, 0.0);
+        if (c.min_coeff > c.max_coeff) p->error("min_coeff", concat(c.min_coeff, " is above max_coeff ", c.max_coeff));
+        c.coeff_beta = p->get_double("coeff_beta", 0.9, 0.0, 0.999999);
+        c.factor_max = p->get_double("factor_max", 4.0, 0.0);
+        c.factor_min = p->get_double("factor_min", 0.5, 0.0);
+        if (c.factor_min > c.factor_max) p->error("factor_min", concat(c.factor_min, " is above factor_max ", c.factor_max));
+        c.factor_threshold = p->get_double("factor_threshold", 0.1, 0.0);
+      }
+      if (c.bias_correction && p->has("bias_correction")) {
+        p->warn("bias_correction", concat(name, " has no bias correction (DeepSpeed ignores this flag too)"));
+      }
+      c.bias_correction = false;
       if (p->get_bool("eps_inside_sqrt", false)) {
-        p->warn("eps_inside_sqrt", "1-bit Adam adds eps outside the square root (DeepSpeed's OnebitAdam ignores this flag too)");
+        p->warn("eps_inside_sqrt", concat(name, " adds eps outside the square root (DeepSpeed ignores this flag too)"));
       }
       if (p->get_bool("cuda_aware", false)) p->warn("cuda_aware", "no effect: the buffers are in host memory");
       // Every backend DeepSpeed names runs over torchspeed's MPI communicator.
@@ -691,9 +709,12 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
   if (auto s = r.child("optimizer")) read_optimizer(*s, c.optimizer);
   if (auto s = r.child("scheduler")) read_scheduler(*s, c.scheduler);
   if (auto s = r.child("zero_optimization")) read_zero(*s, c.zero);
-  if (c.optimizer.type == "OneBitAdam" && c.zero.stage != 0) {
-    r.error("optimizer", concat("type OneBitAdam needs zero_optimization.stage 0, got ", c.zero.stage,
-                                " (as in DeepSpeed, where 1-bit Adam is not compatible with ZeRO)"));
+  if (c.optimizer.one_bit() && c.zero.stage != 0) {
+    r.error("optimizer", concat("type ", c.optimizer.type, " needs zero_optimization.stage 0, got ", c.zero.stage,
+                                " (as in DeepSpeed, where the 1-bit optimizers are not compatible with ZeRO)"));
+  }
+  if (c.optimizer.type == "OneBitLamb" && c.fp16.enabled && !c.fp16.dynamic()) {
+    r.error("fp16.loss_scale", concat(c.fp16.loss_scale, ": OneBitLamb needs dynamic loss scaling (loss_scale 0), as in DeepSpeed"));
   }
   if (auto s = r.child("aio")) read_aio(*s, c.aio);
   if (auto s = r.child("activation_checkpointing")) read_activation_checkpointing(*s, c.activation_checkpointing);
@@ -871,6 +892,19 @@ nlohmann::json Config::to_json() const {
       p["bias_correction"] = optimizer.bias_correction;
       if (optimizer.type == "OneBitAdam") {
         p["freeze_step"] = optimizer.freeze_step;
+      } else if (optimizer.type == "ZeroOneAdam") {
+        p["var_freeze_step"] = optimizer.var_freeze_step;
+        p["var_update_scaler"] = optimizer.var_update_scaler;
+        p["local_step_scaler"] = optimizer.local_step_scaler;
+        p["local_step_clipper"] = optimizer.local_step_clipper;
+      } else if (optimizer.type == "OneBitLamb") {
+        p["freeze_step"] = optimizer.freeze_step;
+        p["max_coeff"] = optimizer.max_coeff;
+        p["min_coeff"] = optimizer.min_coeff;
+        p["coeff_beta"] = optimizer.coeff_beta;
+        p["factor_max"] = optimizer.factor_max;
+        p["factor_min"] = optimizer.factor_min;
+        p["factor_threshold"] = optimizer.factor_threshold;
       } else if (optimizer.type == "Lamb") {
         p["max_coeff"] = optimizer.max_coeff;
         p["min_coeff"] = optimizer.min_coeff;

@@ -41,7 +41,7 @@ struct BF16Config {
 };
 
 struct OptimizerConfig {
-  std::string type;  // "" (none), "Adam", "AdamW", "SGD", "Lamb", "OneBitAdam"
+  std::string type;  // "" (none), "Adam", "AdamW", "SGD", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"
   double lr = 1e-3;
   std::vector<double> betas{0.9, 0.999};
   double eps = 1e-8;
@@ -53,7 +53,15 @@ struct OptimizerConfig {
   bool nesterov = false;
   double max_coeff = 10.0, min_coeff = 0.01;  // Lamb's trust-ratio bounds
   bool eps_inside_sqrt = false;               // Lamb: sqrt(v + eps) instead of sqrt(v) + eps
-  int64_t freeze_step = 100000;               // OneBitAdam: warm-up steps before compression
+  int64_t freeze_step = 100000;               // OneBitAdam, OneBitLamb: warm-up steps before compression
+  // ZeroOneAdam (DeepSpeed's 0/1 Adam): the variance is updated on steps var_interval apart,
+  // var_interval doubling every var_update_scaler such updates, and frozen after var_freeze_step;
+  // then ranks take local steps, synchronised every local_step_interval steps (doubling every
+  // local_step_scaler steps, at most local_step_clipper).
+  int64_t var_freeze_step = 100000, var_update_scaler = 16, local_step_scaler = 32678, local_step_clipper = 16;
+  // OneBitLamb: the EMA of warm-up trust ratios, and the bounds of the frozen-variance factor.
+  double coeff_beta = 0.9, factor_max = 4.0, factor_min = 0.5, factor_threshold = 0.1;
+  bool one_bit() const { return type == "OneBitAdam" || type == "ZeroOneAdam" || type == "OneBitLamb"; }
 };
 
 struct SchedulerConfig {

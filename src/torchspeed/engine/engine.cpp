@@ -200,10 +200,12 @@ nlohmann::json Engine::export_state(std::vector<std::pair<std::string, at::Tenso
 }
 
 nlohmann::json Engine::export_counters() const {
-  return {{"global_steps", global_steps_}, {"micro_steps", micro_steps_}, {"skipped_steps", skipped_steps_},
+  nlohmann::json j = {{"global_steps", global_steps_}, {"micro_steps", micro_steps_}, {"skipped_steps", skipped_steps_},
           {"optimizer_steps", zero_->steps_taken()}, {"grad_norm", grad_norm_},
           {"loss_scaler", scaler_.state()}, {"lr_schedule", schedule_.state()},
           {"zero_stage", config_.zero.stage}, {"dp", groups_.dp->size()}, {"dp_rank", groups_.dp->rank()}};
+  if (auto scalars = zero_->export_scalars(); !scalars.is_null()) j["optimizer_scalars"] = scalars;
+  return j;
 }
 
 void Engine::check_state(const nlohmann::json& s) {
@@ -226,6 +228,7 @@ void Engine::import_counters(const nlohmann::json& s) {
   grad_norm_ = s.value("grad_norm", 0.0);
   scaler_.load_state(s.at("loss_scaler"));
   schedule_.load_state(s.at("lr_schedule"));
+  zero_->import_scalars(s.value("optimizer_scalars", nlohmann::json()));
 }
 
 EngineTimings Engine::timings() const {

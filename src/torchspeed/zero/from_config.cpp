@@ -26,7 +26,7 @@ precision::LossScaler loss_scaler_of(const config::Config& c) {
 
 OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<ParamGroup>& groups) {
   TS_CHECK(!c.optimizer.type.empty(),
-           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW, SGD, Lamb or OneBitAdam)");
+           "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb)");
   OptimizerSpec s;
   s.type = c.optimizer.type;
   s.adam.lr = c.optimizer.lr;
@@ -51,10 +51,18 @@ OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<Param
   s.lamb.min_coeff = c.optimizer.min_coeff;
   s.lamb.eps_inside_sqrt = c.optimizer.eps_inside_sqrt;
   s.freeze_step = c.optimizer.freeze_step;
-  if (c.optimizer.type == "OneBitAdam") {  // DeepSpeed's OnebitAdam: no bias correction, decay in the update
+  if (c.optimizer.type == "OneBitAdam" || c.optimizer.type == "ZeroOneAdam") {
+    // DeepSpeed's OnebitAdam and ZeroOneAdam: no bias correction, decay in the update.
     s.adam.bias_correction = false;
     s.adam.adam_w_mode = true;
   }
+  if (c.optimizer.type == "OneBitLamb") {  // its warm-up is Lamb without bias correction, eps outside
+    s.lamb.bias_correction = false;
+    s.lamb.eps_inside_sqrt = false;
+  }
+  s.zero_one = {c.optimizer.var_freeze_step, c.optimizer.var_update_scaler, c.optimizer.local_step_scaler,
+                c.optimizer.local_step_clipper};
+  s.onebit_lamb = {c.optimizer.coeff_beta, c.optimizer.factor_max, c.optimizer.factor_min, c.optimizer.factor_threshold};
   for (const auto& g : groups) s.groups.push_back(g.options);
   return s;
 }

@@ -119,11 +119,11 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
                              bool sharded)
     : dp_(std::move(dp)), options_(std::move(options)), opt_(std::move(opt)), strategy_(strategy), sharded_(sharded) {
   TS_CHECK(dp_, "ZeroOptimizer needs a data-parallel communicator");
-  TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD" || opt_.type == "Lamb" ||
-               opt_.type == "OneBitAdam",
-           "optimizer.type: torchspeed has Adam, AdamW, SGD, Lamb and OneBitAdam, got '", opt_.type, "'");
-  TS_CHECK(opt_.type != "OneBitAdam" || (strategy == Stage::k0 && !options_.state_store()),
-           "optimizer OneBitAdam needs ZeRO stage 0 without offload (as in DeepSpeed: it compresses the whole "
+  const bool one_bit = opt_.type == "OneBitAdam" || opt_.type == "ZeroOneAdam" || opt_.type == "OneBitLamb";
+  TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD" || opt_.type == "Lamb" || one_bit,
+           "optimizer.type: torchspeed has Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam and OneBitLamb, got '", opt_.type, "'");
+  TS_CHECK(!one_bit || (strategy == Stage::k0 && !options_.state_store()),
+           "optimizer ", opt_.type, " needs ZeRO stage 0 without offload (as in DeepSpeed: it compresses the whole "
            "momentum, which every rank holds)");
   dp_size_ = dp_->size();
   dp_rank_ = dp_->rank();
@@ -324,7 +324,7 @@ void ZeroOptimizer::begin_backward(bool boundary) {
   // just run); their buffers are about to be reused.
   wait_reductions();
   // 1-bit Adam past its warm-up averages the momentum instead of the gradients.
-  reduce_now_ = (boundary || reduces_every_micro_step()) && !compressing();
+  reduce_now_ = (boundary || reduces_every_micro_step()) && reduces_next_step();
   if (boundary) store_->prefetch();  // the step reads the optimizer state next
   next_launch_ = static_cast<int>(units_.size()) - 1;
   for (auto& u : units_) {
@@ -480,6 +480,10 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
     lamb_update(grad_scale, lr);
   } else if (opt_.type == "OneBitAdam" && step_count_ > opt_.freeze_step) {
     onebit_update(grad_scale, lr);
+  } else if (opt_.type == "ZeroOneAdam") {
+    zero_one_update(grad_scale, lr, beta1);
+  } else if (opt_.type == "OneBitLamb") {
+    onebit_lamb_update(grad_scale, lr);
   } else {
     elementwise_update(grad_scale, lr, beta1);
   }
@@ -490,6 +494,12 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   timings_.allgather_s += seconds_since(t2);
   zero_grad();
   return result;
+}
+
+bool ZeroOptimizer::reduces_next_step() const {
+  if (opt_.type == "OneBitAdam" || opt_.type == "OneBitLamb") return step_count_ < opt_.freeze_step;
+  if (opt_.type == "ZeroOneAdam") return zero_one_reduces(step_count_ + 1);
+  return true;
 }
 
 ZeroOptimizer::GroupHyper ZeroOptimizer::group_hyper(int group, double lr, double base_lr, double weight_decay) const {
@@ -694,6 +704,8 @@ void ZeroOptimizer::import_from(const PartitionReader& read, const std::vector<b
   }
   step_count_ = steps;
   if (onebit_) onebit_->reset_errors();  // not checkpointed, as in DeepSpeed
+  zo_ = ZeroOneSchedule();                // nor 0/1 Adam's schedules and accumulator
+  if (zo_u_.defined()) zo_u_.zero_();
   before_import();
   if (!has_master_) {  // fp32: each unit's masters are read straight into its parameters
     for (auto& up : units_) {
@@ -747,6 +759,7 @@ PartitionLayout ZeroOptimizer::layout() const {
 
 std::vector<std::string> ZeroOptimizer::state_kinds() const {
   if (opt_.type == "SGD") return {"momentum"};
+  if (opt_.type == "OneBitLamb") return {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"};
   return {"exp_avg", "exp_avg_sq"};
 }
 

@@ -5,6 +5,7 @@
 // zero_optimizer.cpp); make_zero_optimizer() picks it from the stage.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <torch/arg.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
@@ -87,13 +88,21 @@ struct ParamGroupOptions {
 };
 
 struct OptimizerSpec {
-  std::string type = "AdamW";  // Adam, AdamW, SGD, Lamb
+  std::string type = "AdamW";  // Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam, OneBitLamb
   optim::AdamHyper adam;
   optim::SgdHyper sgd;
   optim::LambHyper lamb;
-  // OneBitAdam: optimizer steps of plain Adam (no bias correction) on averaged gradients before
-  // the momentum is averaged by the 1-bit all-reduce instead (DeepSpeed's freeze_step).
+  // OneBitAdam, OneBitLamb: optimizer steps of plain Adam / Lamb (no bias correction) on averaged
+  // gradients before the momentum is averaged by the 1-bit all-reduce instead (freeze_step).
   int64_t freeze_step = 100000;
+  // ZeroOneAdam (Note [0/1 Adam]).
+  struct ZeroOne {
+    int64_t var_freeze_step = 100000, var_update_scaler = 16, local_step_scaler = 32678, local_step_clipper = 16;
+  } zero_one;
+  // OneBitLamb past its warm-up (Note [1-bit Lamb]).
+  struct OneBitLamb {
+    double coeff_beta = 0.9, factor_max = 4.0, factor_min = 0.5, factor_threshold = 0.1;
+  } onebit_lamb;
   // Groups 1..n (NamedParam::group); group 0 is the optimizer's own hyperparameters.
   std::vector<ParamGroupOptions> groups;
 };
@@ -172,6 +181,11 @@ class ZeroOptimizer {
   Stage strategy() const { return strategy_; }
   int64_t num_params() const { return total_numel_; }
   int64_t steps_taken() const { return step_count_; }
+  // Optimizer scalars a checkpoint keeps beside the partition (1-bit Lamb's per-tensor
+  // coefficients, by parameter name; null when there are none). import_scalars after
+  // import_partition: it applies DeepSpeed's rule for a checkpoint of the warm-up.
+  nlohmann::json export_scalars() const;
+  void import_scalars(const nlohmann::json& scalars);
   MemoryReport memory() const;
   const Timings& timings() const { return timings_; }
   at::ScalarType grad_accum_dtype() const { return accum_dtype_; }
@@ -303,11 +317,28 @@ class ZeroOptimizer {
   // Lamb's two passes over the partition, its per-tensor norms summed across the data-parallel
   // group in between (zero/lamb_update.cpp).
   void lamb_update(float grad_scale, double lr);
+  std::vector<double> lamb_coeffs_;  // the last step's coefficient per tensor (slot order)
+  // 1-bit Lamb (zero/lamb_update.cpp, Note [1-bit Lamb]) and its per-tensor scalars.
+  void onebit_lamb_update(float grad_scale, double lr);
+  struct OneBitLambState {
+    std::vector<double> coeff_freeze, last_factor, scaling;  // scaling NaN: not yet fixed
+  } ob_;
   // 1-bit Adam past its warm-up: local momentum, its 1-bit average, the update with the frozen
   // variance (zero/onebit_update.cpp).
-  bool compressing() const { return opt_.type == "OneBitAdam" && step_count_ >= opt_.freeze_step; }
   void onebit_update(float grad_scale, double lr);
   std::unique_ptr<comm::OneBitAllReduce> onebit_;
+  // Whether backward reduces the gradients of step step_count_ + 1 (the 1-bit optimizers leave
+  // each rank's own gradient on their compressed steps).
+  bool reduces_next_step() const;
+  // 0/1 Adam (zero/zoadam_update.cpp, Note [0/1 Adam]): whether step t reduces its gradients,
+  // the step, and the schedules and local-step accumulator, which checkpoints do not keep.
+  bool zero_one_reduces(int64_t t) const;
+  void zero_one_update(float grad_scale, double lr, std::optional<double> beta1);
+  struct ZeroOneSchedule {
+    int64_t var_interval = 1, var_counter = 0, local_interval = 1, local_counter = 0;
+    double lrs = 0.0;  // the scheduled lrs summed since the last synchronisation
+  } zo_;
+  at::Tensor zo_u_;  // fp32 [part]: the compressed gradient, then the local updates' sum
 
   // import_partition's work once the kinds marked in `have` are already in the resident store.
   void import_from(const PartitionReader& read, const std::vector<bool>& have, int64_t steps);
