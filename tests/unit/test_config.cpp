@@ -275,12 +275,6 @@ TEST(Config, RealConfigsFromDeepSpeedRepositoriesLoadOrAreRefusedByName) {
        "compression_training: activation_quantization.shared_parameters.enabled is true"},
       {"DeepSpeedExamples__compression__cifar__config__ds_config_channel_prune.json",
        "compression_training: channel_pruning.shared_parameters.enabled is true"},
-      // DeepSpeed's engine profiles and exits at autotuning.end_profile_step: the autotuner's experiment runs.
-      {"DeepSpeedExamples__training__autotuning__hf__bert-base__ds_config_tune.json", "autotuning: is a DeepSpeed feature"},
-      {"DeepSpeedExamples__training__autotuning__hf__bert-large__ds_config_tune.json", "autotuning: is a DeepSpeed feature"},
-      {"DeepSpeedExamples__training__autotuning__hf__deberta__ds_config_fp16_tune.json", "autotuning: is a DeepSpeed feature"},
-      {"DeepSpeedExamples__training__autotuning__hf__dsconfigs__ds_config_fp16_tune.json", "autotuning: is a DeepSpeed feature"},
-      {"DeepSpeedExamples__training__autotuning__hf__dsconfigs__ds_config_tune.json", "autotuning: is a DeepSpeed feature"},
   };
   // What a trainer supplies for "auto" values (the number of steps, the model's hidden size).
   torchspeed::config::AutoValues trainer;
@@ -335,6 +329,13 @@ TEST(Config, TypeAndRangeErrorsNameTheJsonPath) {
   expect_error(with({{"fp16", {{"enabled", "yes"}}}}), "fp16.enabled: expected true or false");
   expect_error(with({{"fp16", {{"enabled", true}}}, {"bf16", {{"enabled", true}}}}),
                "fp16.enabled and bf16.enabled are both true");
+  expect_error(with({{"autotuning", {{"enabled", true}, {"tuner_type", "model_based"}}}}),
+               "autotuning.tuner_type: \"model_based\" (DeepSpeed's XGBoost cost model) is not available");
+  expect_error(with({{"autotuning", {{"enabled", true}, {"start_profile_step", 5}, {"end_profile_step", 5}}}}),
+               "autotuning.end_profile_step: 5 must be after start_profile_step 5");
+  expect_error(with({{"autotuning", {{"enabled", true}, {"model_info", {{"profile", true}}}}}}),
+               "autotuning.model_info: profile: true");
+  expect_error(with({{"autotuning", {{"enabled", true}, {"metric", "speed"}}}}), "autotuning.metric:");
   expect_error(with({{"optimizer", {{"type", "Adagrad"}}}}),
                "optimizer.type: \"Adagrad\" is a DeepSpeed optimizer torchspeed does not have");
   expect_error(with({{"optimizer", {{"type", "ZeroOneAdam"}}}, {"zero_optimization", {{"stage", 1}}}}),

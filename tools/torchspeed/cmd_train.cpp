@@ -95,6 +95,16 @@ DataSection read_data(const nlohmann::json& j) {
   return s;
 }
 
+std::string default_out_dir() {
+  std::time_t now = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "runs/%Y%m%d-%H%M%S", std::localtime(&now));
+  return buf;
+}
+
+
+}  // namespace
+
 // --set a.b.c=VALUE: VALUE as JSON when it parses (numbers, true, {...}), else as a string.
 void apply_override(nlohmann::json& j, const std::string& kv) {
   const auto eq = kv.find('=');
@@ -121,16 +131,6 @@ void apply_override(nlohmann::json& j, const std::string& kv) {
     start = dot + 1;
   }
 }
-
-std::string default_out_dir() {
-  std::time_t now = std::time(nullptr);
-  char buf[64];
-  std::strftime(buf, sizeof(buf), "runs/%Y%m%d-%H%M%S", std::localtime(&now));
-  return buf;
-}
-
-
-}  // namespace
 
 Runner add_train(CLI::App& app, const Invocation& inv) {
   auto* cmd = app.add_subcommand("train", "Train the GPT of a config on a text corpus");
@@ -235,6 +235,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
     auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors), cfg,
                              {no_weight_decay_group(ts.no_decay_embeddings)});
+    engine->set_flops_per_sample(gpt.flops_per_token() * static_cast<double>(gpt.seq_len));
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
     data::TextLoader loader(corpus.train, gpt.seq_len, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));
@@ -346,6 +347,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
         history.push_back(m);
         progress.update(m, std::chrono::duration<double>(now - start).count());
       }
+      if (engine->autotuning_done()) break;  // an autotuning experiment: timed, metrics written
       if (ts.checkpoint_interval > 0 && step % ts.checkpoint_interval == 0 && step < ts.steps) save(false);
       // Stop cleanly on a signal or when OUT/STOP exists (written by the launching CLI on Ctrl-C;
       // `touch OUT/STOP` works under any launcher): every rank agrees after this step.
@@ -357,6 +359,20 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
         interrupted = true;
         break;
       }
+    }
+    if (engine->autotuning_done()) {
+      if (rt.is_rank0()) {
+        progress.finish();
+        const auto& m = engine->autotuning_metrics();
+        std::printf("autotuning experiment: %.1f ms per step, %.1f samples/s (steps %ld-%ld timed); metrics in %s; "
+                    "no checkpoint (as DeepSpeed, which exits here)\n",
+                    m.at("latency").get<double>(), m.at("throughput").get<double>(),
+                    static_cast<long>(cfg.autotuning.start_profile_step + 1), static_cast<long>(cfg.autotuning.end_profile_step),
+                    cfg.autotuning.metric_path.empty() ? "autotuning_metric.json" : cfg.autotuning.metric_path.c_str());
+      }
+      engine.reset();
+      shutdown();
+      return 0;
     }
     if (!evaluated_last && !interrupted) last_val = evaluate();
     save(true);

@@ -26,6 +26,7 @@ Runner add_train(CLI::App& app, const Invocation& inv);
 Runner add_generate(CLI::App& app);
 Runner add_convert(CLI::App& app);
 Runner add_serve(CLI::App& app, const Invocation& inv);
+Runner add_autotune(CLI::App& app, const Invocation& inv);
 
 }  // namespace torchspeed::cli
 
@@ -39,5 +40,8 @@ namespace torchspeed::cli {
 // folder `torchspeed train` writes); else the training config's data.tokenizer; else bytes.
 // Its vocabulary must fit the model's.
 data::TokenizerPtr model_tokenizer(const std::string& path, const checkpoint::Model& model, const std::string& spec = "");
+
+// --set a.b.c=VALUE on a config: VALUE as JSON when it parses (numbers, true, {...}), else a string.
+void apply_override(nlohmann::json& config, const std::string& key_value);
 
 }  // namespace torchspeed::cli

@@ -18,7 +18,7 @@ constexpr int64_t kMax32 = INT32_MAX;
 // DeepSpeed features torchspeed does not have. A section that is absent or disabled is accepted
 // with a warning; one that is enabled is an error naming it.
 const std::vector<std::string> kForeignSections = {
-    "amp", "flops_profiler", "comms_logger", "elasticity", "autotuning", "data_efficiency",
+    "amp", "flops_profiler", "comms_logger", "elasticity", "data_efficiency",
     "compression_training", "sparse_attention", "wandb", "comet", "quantize_training",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula",
     "weight_quantization", "hybrid_engine", "torch_autocast"};
@@ -255,6 +255,52 @@ void only(JsonReader& r, const std::string& key, bool supported, bool fallback, 
 void no_effect(JsonReader& r, const std::string& key, const std::string& why) {
   r.accept(key);  // known: warned here, never reported as unknown
   if (r.has(key)) r.warn(key, concat("has no effect in torchspeed: ", why));
+}
+
+void read_autotuning(JsonReader& r, AutotuningConfig& c) {
+  c.enabled = r.get_bool("enabled", false);
+  c.fast = r.get_bool("fast", true);
+  c.overwrite = r.get_bool("overwrite", true);
+  c.results_dir = r.get_string("results_dir", c.results_dir);
+  c.exps_dir = r.get_string("exps_dir", c.exps_dir);
+  if (r.has("metric_path") && r.raw("metric_path") && !r.raw("metric_path")->is_null()) c.metric_path = r.get_string("metric_path", "");
+  c.start_profile_step = r.get_int("start_profile_step", 3, 1);
+  c.end_profile_step = r.get_int("end_profile_step", 5, 1);
+  if (c.end_profile_step <= c.start_profile_step) {
+    r.error("end_profile_step", concat(c.end_profile_step, " must be after start_profile_step ", c.start_profile_step));
+  }
+  c.metric = r.get_string("metric", "throughput", {"latency", "throughput", "flops"});
+  c.tuner_type = r.get_string("tuner_type", "gridsearch", {"gridsearch", "random", "model_based"});
+  if (c.tuner_type == "model_based") {
+    r.error("tuner_type", "\"model_based\" (DeepSpeed's XGBoost cost model) is not available; use gridsearch or random");
+  }
+  c.tuner_early_stopping = r.get_int("tuner_early_stopping", 5, 1);
+  c.tuner_num_trials = r.get_int("tuner_num_trials", 50, 1);
+  if (r.has("max_train_batch_size") && r.raw("max_train_batch_size") && !r.raw("max_train_batch_size")->is_null()) {
+    c.max_train_batch_size = r.get_int("max_train_batch_size", 0, 1);
+  }
+  c.min_train_batch_size = r.get_int("min_train_batch_size", 1, 1);
+  c.min_train_micro_batch_size_per_gpu = r.get_int("min_train_micro_batch_size_per_gpu", 1, 1);
+  c.max_train_micro_batch_size_per_gpu = r.get_int("max_train_micro_batch_size_per_gpu", 1024, 1);
+  if (c.min_train_micro_batch_size_per_gpu > c.max_train_micro_batch_size_per_gpu) {
+    r.error("min_train_micro_batch_size_per_gpu", concat(c.min_train_micro_batch_size_per_gpu,
+                                                         " is above max_train_micro_batch_size_per_gpu ",
+                                                         c.max_train_micro_batch_size_per_gpu));
+  }
+  c.num_tuning_micro_batch_sizes = r.get_int("num_tuning_micro_batch_sizes", 3, 1);
+  // How DeepSpeed's autotuner passes tuned values to a user's script on its command line;
+  // `torchspeed autotune` runs `torchspeed train` and passes them in the experiment's config.
+  no_effect(r, "arg_mappings", "torchspeed autotune writes the tuned values into each experiment's config");
+  if (r.get_int("mp_size", 1, 1) != 1) {
+    r.error("mp_size", "model parallelism is set by tensor_parallel.tp_size and pipeline.stages in torchspeed");
+  }
+  if (const auto* mi = r.raw("model_info"); mi && mi->is_object() && mi->value("profile", false) == true) {
+    r.error("model_info", "profile: true (DeepSpeed's model-information profiling run) is not supported; "
+                          "torchspeed knows the model's size from its config");
+  }
+  r.accept("model_info");
+  r.accept("model_info_path");
+  r.finish();
 }
 
 void read_zero(JsonReader& r, ZeroConfig& c) {
@@ -717,6 +763,8 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
     r.error("fp16.loss_scale", concat(c.fp16.loss_scale, ": OneBitLamb needs dynamic loss scaling (loss_scale 0), as in DeepSpeed"));
   }
   if (auto s = r.child("aio")) read_aio(*s, c.aio);
+  if (auto s = r.child("autotuning")) read_autotuning(*s, c.autotuning);
+  if (const auto* z = r.raw("zero_optimization"); z && z->is_object() && z->contains("stage")) c.autotuning.zero_stage_given = true;
   if (auto s = r.child("activation_checkpointing")) read_activation_checkpointing(*s, c.activation_checkpointing);
   if (auto s = r.child("pipeline")) read_pipeline(*s, c.pipeline);
   if (auto s = r.child("tensor_parallel")) {

@@ -93,6 +93,26 @@ struct AioConfig {
   bool overlap_events = true;
 };
 
+// DeepSpeed's autotuning (deepspeed/autotuning/constants.py defaults). With `enabled`, a
+// training run is one experiment: the engine times steps (start_profile_step,
+// end_profile_step], writes {"latency" (ms per step), "throughput" (samples/s), "FLOPS_per_gpu"}
+// to metric_path and the run stops, as DeepSpeed's engine exits; `torchspeed autotune` runs
+// such experiments over ZeRO stages and micro-batch sizes and writes the best config.
+struct AutotuningConfig {
+  bool enabled = false, fast = true, overwrite = true;
+  std::string results_dir = "autotuning_results", exps_dir = "autotuning_exps";
+  std::string metric_path;  // "": ./autotuning_metric.json
+  int64_t start_profile_step = 3, end_profile_step = 5;
+  std::string metric = "throughput";      // latency, throughput, flops
+  std::string tuner_type = "gridsearch";  // gridsearch, random
+  int64_t tuner_early_stopping = 5, tuner_num_trials = 50;
+  std::optional<int64_t> max_train_batch_size;
+  int64_t min_train_batch_size = 1;
+  int64_t min_train_micro_batch_size_per_gpu = 1, max_train_micro_batch_size_per_gpu = 1024;
+  int64_t num_tuning_micro_batch_sizes = 3;
+  bool zero_stage_given = false;  // zero_optimization.stage was in the config: only it is tuned
+};
+
 struct ZeroConfig {
   int stage = 0;
   bool contiguous_gradients = true;
@@ -208,6 +228,7 @@ struct Config {
   SchedulerConfig scheduler;
   ZeroConfig zero;
   AioConfig aio;
+  AutotuningConfig autotuning;
   ActivationCheckpointingConfig activation_checkpointing;
   PipelineConfig pipeline;
   TensorParallelConfig tensor_parallel;

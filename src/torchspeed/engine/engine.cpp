@@ -7,6 +7,7 @@
 
 #include <chrono>
 
+#include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/offload/optimizer_swapper.h"
 #include "torchspeed/offload/param_swapper.h"
 #include "torchspeed/runtime/error.h"
@@ -183,6 +184,36 @@ void Engine::optimizer_step() {
     write_monitor_events(window_loss_ / static_cast<double>(config_.gradient_accumulation_steps));
   }
   window_loss_ = 0.0;
+  if (config_.autotuning.enabled) autotuning_profile();
+}
+
+// DeepSpeed's engine under autotuning (engine.py _autotuning_exit): the mean time of the steps
+// after start_profile_step up to end_profile_step, written by rank 0 as the experiment's metrics.
+// DeepSpeed exits the process there; a library cannot, so the engine reports autotuning_done()
+// and `torchspeed train` stops.
+void Engine::autotuning_profile() {
+  const auto& a = config_.autotuning;
+  if (global_steps_ == a.start_profile_step) {
+    groups_.world->barrier();
+    profile_start_ = std::chrono::steady_clock::now();
+  } else if (global_steps_ == a.end_profile_step && profile_start_) {
+    groups_.world->barrier();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - *profile_start_).count();
+    const double latency_s = s / static_cast<double>(a.end_profile_step - a.start_profile_step);
+    autotuning_metrics_ = {{"latency", latency_s * 1e3},
+                           {"throughput", static_cast<double>(config_.train_batch_size) / latency_s},
+                           {"FLOPS_per_gpu", flops_per_sample_ * static_cast<double>(config_.train_batch_size) / latency_s /
+                                                 static_cast<double>(groups_.world->size())},
+                           {"train_micro_batch_size_per_gpu", config_.train_micro_batch_size_per_gpu},
+                           {"gradient_accumulation_steps", config_.gradient_accumulation_steps},
+                           {"zero_stage", config_.zero.stage},
+                           {"steps_timed", a.end_profile_step - a.start_profile_step}};
+    if (groups_.world->rank() == 0) {
+      const std::string path = a.metric_path.empty() ? "autotuning_metric.json" : a.metric_path;
+      checkpoint::write_file_atomic(path, autotuning_metrics_.dump(2) + "\n");
+      log::info0("autotuning: wrote metrics to ", path);
+    }
+  }
 }
 
 void Engine::write_monitor_events(std::optional<double> train_loss) {

@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -91,6 +92,12 @@ class Engine {
   int64_t micro_steps() const { return micro_steps_; }
   int64_t skipped_steps() const { return skipped_steps_; }
   double lr() const { return schedule_.lr(); }
+  // Under autotuning (config autotuning.enabled): true once end_profile_step is done and the
+  // metrics are written (DeepSpeed's engine exits there); the metrics, null before.
+  bool autotuning_done() const { return !autotuning_metrics_.is_null(); }
+  const nlohmann::json& autotuning_metrics() const { return autotuning_metrics_; }
+  // Training FLOPs of one sample, for the FLOPS_per_gpu metric (0: unknown).
+  void set_flops_per_sample(double flops) { flops_per_sample_ = flops; }
   double loss_scale() const { return scaler_.scale(); }
   // Global L2 norm of the last step's unscaled gradients (before clipping).
   double grad_norm() const { return grad_norm_; }
@@ -151,6 +158,7 @@ class Engine {
   void write_monitor_events(std::optional<double> train_loss);
   void make_checkpoint_comm();
   void make_executor();
+  void autotuning_profile();
 
   parallel::ParallelGroups groups_;
   std::vector<ParamGroup> param_groups_;
@@ -173,6 +181,9 @@ class Engine {
   std::vector<nn::Segment> segments_;          // activation checkpointing: a segment per interval
   std::unique_ptr<monitor::Monitor> monitor_;  // world rank 0, when a monitor is enabled
   double window_loss_ = 0.0;                   // sum of this accumulation window's losses (monitor)
+  std::optional<std::chrono::steady_clock::time_point> profile_start_;  // autotuning
+  nlohmann::json autotuning_metrics_;
+  double flops_per_sample_ = 0.0;
 };
 
 // Builds the process grid and its groups from the config over every rank of the job.

@@ -64,7 +64,16 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
   std::string slice;
   if (groups_.dp->rank() == 0) {
     const auto params = checkpoint::slice_params_of(zero_->param_shapes(), *root_, plan_);
-    slice = checkpoint::slice_entry(groups_.coord.pp, groups_.coord.tp, layout, groups_.dp->world_ranks(), params).dump();
+    // Shard files are named by rank in the engine's world, which may be a part of MPI's: the
+    // data-parallel ranks' MPI ranks are translated into it.
+    const std::vector<int> mpi_world = groups_.world->world_ranks();
+    std::vector<int> dp_ranks;
+    for (int r : groups_.dp->world_ranks()) {
+      const auto it = std::find(mpi_world.begin(), mpi_world.end(), r);
+      TS_INTERNAL_ASSERT(it != mpi_world.end(), "data-parallel rank ", r, " is outside the engine's world");
+      dp_ranks.push_back(static_cast<int>(it - mpi_world.begin()));
+    }
+    slice = checkpoint::slice_entry(groups_.coord.pp, groups_.coord.tp, layout, dp_ranks, params).dump();
   }
   const auto slices = comm::all_gather_strings(*checkpoint_comm_, slice);
   if (checkpoint_comm_->rank() == 0) {

@@ -337,8 +337,10 @@ class ZeroOptimizer {
   struct ZeroOneSchedule {
     int64_t var_interval = 1, var_counter = 0, local_interval = 1, local_counter = 0;
     double lrs = 0.0;  // the scheduled lrs summed since the last synchronisation
+    bool have_p_sync = false;
   } zo_;
-  at::Tensor zo_u_;  // fp32 [part]: the compressed gradient, then the local updates' sum
+  at::Tensor zo_u_;       // fp32 [part]: the compressed gradient, then the local updates' sum
+  at::Tensor zo_p_sync_;  // fp32 [part]: the parameters of the last synchronisation
 
   // import_partition's work once the kinds marked in `have` are already in the resident store.
   void import_from(const PartitionReader& read, const std::vector<bool>& have, int64_t steps);

@@ -10,12 +10,12 @@
 //    var_update_scaler variance steps, so the exact reductions thin out exponentially.
 //  - Local phase (from t = var_freeze_step + 2). The variance is frozen for good; each rank steps
 //    with its own gradient and accumulates its updates u = -sum lr_k upd_k. Every
-//    local_step_interval steps the ranks synchronise: each undoes its local updates (p -= u),
-//    scales u by sqrt(v) + eps (a sum of lr-weighted momenta), takes its 1-bit average, sets the
-//    momentum to its lr-weighted mean (m = -u / sum lr_k) and applies it (p += u / (sqrt(v) + eps)),
-//    so that every rank again holds the same parameters and momentum. Between synchronisations
-//    nothing is communicated (but the scalar gradient norm). local_step_interval doubles every
-//    local_step_scaler local steps, up to local_step_clipper.
+//    local_step_interval steps the ranks synchronise: each returns to the parameters of the last
+//    synchronisation, scales u by sqrt(v) + eps (a sum of lr-weighted momenta), takes its 1-bit
+//    average, sets the momentum to its lr-weighted mean (m = -u / sum lr_k) and applies it
+//    (p = p_sync + u / (sqrt(v) + eps)), so that every rank again holds the same parameters and
+//    momentum. Between synchronisations nothing is communicated (but the scalar gradient norm).
+//    local_step_interval doubles every local_step_scaler local steps, up to local_step_clipper.
 // The compression errors of both phases live in the one OneBitAllReduce; they are reset when the
 // local phase starts (they held gradient errors; now they hold accumulator errors), as in
 // DeepSpeed. Differences from DeepSpeed, all on purpose:
@@ -24,10 +24,17 @@
 //  - At one rank DeepSpeed leaves the momentum unchanged on non-variance steps (it has no
 //    compressed all-reduce to run); ours updates it from the gradient, the average of one rank.
 //  - The momentum is compressed as one buffer (DeepSpeed under fp16: one per parameter group).
+//  - DeepSpeed returns to the synchronised parameters by p -= u. Where the variance is nearly
+//    zero (a gradient that is always 0, such as attention's key bias) a compressed momentum
+//    makes u / (sqrt(v) + eps) huge, and the cancellation leaves each rank with its own rounding:
+//    the replicas drift apart (1e-4 here at 4 ranks). We keep the synchronised parameters
+//    (p_sync, one fp32 copy of the partition) and restore them exactly, so replicas stay
+//    bit-identical.
 //  - A checkpoint keeps step, momentum and variance; the accumulator, the errors and the
 //    schedules restart on load, as DeepSpeed's load_state_dict resets them.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "torchspeed/runtime/error.h"
@@ -46,19 +53,16 @@ void local_step(float* p, const float* m, const float* v, float* u, int64_t n, f
   }
 }
 
-// Before the 1-bit average: p -= u (the parameters of the last synchronisation); u *= sqrt(v) + eps.
-void sync_begin(float* p, const float* v, float* u, int64_t n, float eps) {
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] -= u[i];
-    u[i] *= std::sqrt(v[i]) + eps;
-  }
+// Before the 1-bit average: u *= sqrt(v) + eps.
+void sync_begin(const float* v, float* u, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; ++i) u[i] *= std::sqrt(v[i]) + eps;
 }
 
-// After it: m = -u / lrs; p += u / (sqrt(v) + eps); u = 0.
-void sync_end(float* p, float* m, const float* v, float* u, int64_t n, float inv_lrs, float eps) {
+// After it: m = -u / lrs; p = p_sync = p_sync + u / (sqrt(v) + eps); u = 0.
+void sync_end(float* p, float* p_sync, float* m, const float* v, float* u, int64_t n, float inv_lrs, float eps) {
   for (int64_t i = 0; i < n; ++i) {
     m[i] = -u[i] * inv_lrs;
-    p[i] += u[i] / (std::sqrt(v[i]) + eps);
+    p[i] = p_sync[i] = p_sync[i] + u[i] / (std::sqrt(v[i]) + eps);
     u[i] = 0.0f;
   }
 }
@@ -78,6 +82,10 @@ void ZeroOptimizer::zero_one_update(float grad_scale, double lr, std::optional<d
   if (!zo_u_.defined()) zo_u_ = at::zeros({part_numel_}, at::kFloat);
   float* u_all = zo_u_.data_ptr<float>();
   auto u_of = [&](const detail::Piece& s) { return u_all + units_[s.unit]->part_offset + s.begin; };
+  if (local_phase && !zo_p_sync_.defined()) zo_p_sync_ = at::empty({part_numel_}, at::kFloat);
+  auto p_sync_of = [&](const detail::Piece& s) {
+    return zo_p_sync_.data_ptr<float>() + units_[s.unit]->part_offset + s.begin;
+  };
   auto grad_of = [&](const at::Tensor& grad, const detail::Piece& s) {
     return static_cast<const char*>(grad.data_ptr()) + s.begin * static_cast<int64_t>(grad.element_size());
   };
@@ -135,12 +143,16 @@ void ZeroOptimizer::zero_one_update(float grad_scale, double lr, std::optional<d
       if (onebit_) onebit_->reset_errors();
       zo_u_.zero_();
       zo_.lrs = 0.0;
+      zo_.have_p_sync = false;
     }
     return;
   }
 
   // Local phase: a step with this rank's gradient, accumulated in u.
+  const bool snapshot = !zo_.have_p_sync;  // the first local step (or the first after a load)
+  zo_.have_p_sync = true;
   pass(true, [&](const detail::Piece& s, float* const* state, float* p, void* out, const at::Tensor& grad) {
+    if (snapshot) std::copy(p, p + s.length, p_sync_of(s));
     const GroupHyper g = group_hyper(s.group, lr, base_lr, opt_.adam.weight_decay);
     optim::onebit_momentum(grad_of(grad, s), grad.scalar_type(), grad_scale, state[km], s.length, b1);
     local_step(p, state[km], state[km + 1], u_of(s), s.length, static_cast<float>(g.lr), eps,
@@ -149,8 +161,8 @@ void ZeroOptimizer::zero_one_update(float grad_scale, double lr, std::optional<d
   });
   zo_.lrs += lr;
   if (t % zo_.local_interval == 0) {
-    pass(false, [&](const detail::Piece& s, float* const* state, float* p, void*, const at::Tensor&) {
-      sync_begin(p, state[km + 1], u_of(s), s.length, eps);
+    pass(false, [&](const detail::Piece& s, float* const* state, float*, void*, const at::Tensor&) {
+      sync_begin(state[km + 1], u_of(s), s.length, eps);
     });
     if (dp_size_ > 1) {
       if (!onebit_) onebit_ = std::make_unique<comm::OneBitAllReduce>(dp_, zo_u_.numel());
@@ -158,7 +170,8 @@ void ZeroOptimizer::zero_one_update(float grad_scale, double lr, std::optional<d
     }
     pass(false, [&](const detail::Piece& s, float* const* state, float* p, void* out, const at::Tensor&) {
       const double lrs = group_hyper(s.group, zo_.lrs, base_lr, 0.0).lr;  // this group's sum of lrs
-      sync_end(p, state[km], state[km + 1], u_of(s), s.length, lrs > 0.0 ? static_cast<float>(1.0 / lrs) : 0.0f, eps);
+      sync_end(p, p_sync_of(s), state[km], state[km + 1], u_of(s), s.length, lrs > 0.0 ? static_cast<float>(1.0 / lrs) : 0.0f,
+               eps);
       write_out(p, s.length, out);
     });
     zo_.lrs = 0.0;
