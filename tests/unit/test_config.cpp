@@ -336,6 +336,7 @@ TEST(Config, TypeAndRangeErrorsNameTheJsonPath) {
   expect_error(with({{"autotuning", {{"enabled", true}, {"model_info", {{"profile", true}}}}}}),
                "autotuning.model_info: profile: true");
   expect_error(with({{"autotuning", {{"enabled", true}, {"metric", "speed"}}}}), "autotuning.metric:");
+  expect_error(with({{"autotuning", {{"enabled", true}, {"fast", false}}}}), "autotuning.fast: false (DeepSpeed then also tunes");
   expect_error(with({{"optimizer", {{"type", "Adagrad"}}}}),
                "optimizer.type: \"Adagrad\" is a DeepSpeed optimizer torchspeed does not have");
   expect_error(with({{"optimizer", {{"type", "ZeroOneAdam"}}}, {"zero_optimization", {{"stage", 1}}}}),

@@ -260,6 +260,10 @@ void no_effect(JsonReader& r, const std::string& key, const std::string& why) {
 void read_autotuning(JsonReader& r, AutotuningConfig& c) {
   c.enabled = r.get_bool("enabled", false);
   c.fast = r.get_bool("fast", true);
+  if (!c.fast) {
+    r.error("fast", "false (DeepSpeed then also tunes each ZeRO stage's bucket and prefetch sizes) is not supported; "
+                    "torchspeed autotune tunes ZeRO stages and micro-batch sizes, DeepSpeed's fast mode");
+  }
   c.overwrite = r.get_bool("overwrite", true);
   c.results_dir = r.get_string("results_dir", c.results_dir);
   c.exps_dir = r.get_string("exps_dir", c.exps_dir);
