@@ -4,13 +4,13 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <regex>
 #include <set>
 
 #include "torchspeed/config/config.h"
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/file.h"
 
 namespace torchspeed::checkpoint::hf {
 namespace fs = std::filesystem;
@@ -88,12 +88,7 @@ bool bool_of(const nlohmann::json& j, const char* key, bool fallback, const std:
   return j.at(key).get<bool>();
 }
 
-void copy_file_atomic(const fs::path& from, const fs::path& to) {
-  std::ifstream in(from, std::ios::binary);
-  TS_CHECK(in, "cannot read ", from.string());
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  write_file_atomic(to.string(), bytes);
-}
+void copy_file_atomic(const fs::path& from, const fs::path& to) { write_file_atomic(to.string(), read_file(from.string())); }
 
 }  // namespace
 

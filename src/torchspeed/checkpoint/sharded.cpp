@@ -46,19 +46,12 @@
 #include <vector>
 
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/file.h"
 #include "torchspeed/runtime/logging.h"
 
 namespace torchspeed::checkpoint {
 namespace fs = std::filesystem;
 namespace {
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TS_CHECK(in.good(), "cannot read '", path, "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::string trim(std::string s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
@@ -176,7 +169,7 @@ void prune(const fs::path& dir, int keep_last, const std::string& keep) {
     const std::string n = e.path().filename().string();
     if (!e.is_directory() || n.empty() || n[0] == '.' || n == keep) continue;
     try {
-      const auto m = nlohmann::json::parse(read_text((e.path() / "manifest.json").string()));
+      const auto m = nlohmann::json::parse(read_file((e.path() / "manifest.json").string()));
       if (m.value("format", "") == kManifestFormat) tags.emplace_back(m.value("saved_at_ns", int64_t{0}), e.path());
     } catch (const std::exception&) {
       // Not one of our checkpoints: never delete it.
@@ -355,7 +348,7 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
 
 Opened open_local(const std::string& path) {
   fs::path p(path);
-  if (!fs::exists(p / "manifest.json") && fs::exists(p / "latest")) p /= trim(read_text((p / "latest").string()));
+  if (!fs::exists(p / "manifest.json") && fs::exists(p / "latest")) p /= trim(read_file((p / "latest").string()));
   if (!fs::exists(p) && p.has_parent_path()) {
     // A re-save that died with the old checkpoint moved aside (Note [Checkpoint protocol]).
     if (auto aside = moved_aside(p.parent_path(), p.filename().string())) p = *aside;
@@ -365,7 +358,7 @@ Opened open_local(const std::string& path) {
            fs::exists(p) ? "" : " (the folder does not exist)");
   nlohmann::json m;
   try {
-    m = nlohmann::json::parse(read_text(mpath));
+    m = nlohmann::json::parse(read_file(mpath));
   } catch (const nlohmann::json::parse_error& e) {
     TS_CHECK(false, mpath, ": corrupt manifest at byte ", e.byte, ": ", e.what());
   } catch (const nlohmann::json::exception& e) {
@@ -403,7 +396,7 @@ std::optional<Opened> open(comm::Communicator& comm, const std::string& dir, con
           s["none"] = true;
           return;
         }
-        const std::string t = trim(read_text(latest.string()));
+        const std::string t = trim(read_file(latest.string()));
         TS_CHECK(!t.empty(), latest.string(), " is empty");
         auto o = open_local((fs::path(dir) / t).string());
         s["path"] = o.path;

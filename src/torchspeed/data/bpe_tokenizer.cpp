@@ -10,17 +10,10 @@
 #include <sstream>
 
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/file.h"
 
 namespace torchspeed::data {
 namespace {
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TS_CHECK(in.good(), "cannot read '", path, "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::string utf8(uint32_t cp) {
   std::string s;
@@ -212,7 +205,7 @@ BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
 BpeTokenizer BpeTokenizer::from_files(const std::string& vocab_json, const std::string& merges_txt) {
   nlohmann::json v;
   try {
-    v = nlohmann::json::parse(read_text(vocab_json));
+    v = nlohmann::json::parse(read_file(vocab_json));
   } catch (const nlohmann::json::exception& e) {
     TS_CHECK(false, vocab_json, ": not JSON: ", e.what());
   }
@@ -223,7 +216,7 @@ BpeTokenizer BpeTokenizer::from_files(const std::string& vocab_json, const std::
     vocab[tok] = id.get<int64_t>();
   }
   std::vector<std::pair<std::string, std::string>> merges;
-  std::istringstream in(read_text(merges_txt));
+  std::istringstream in(read_file(merges_txt));
   std::string line;
   int64_t line_no = 0;
   while (std::getline(in, line)) {
@@ -241,7 +234,7 @@ BpeTokenizer BpeTokenizer::from_files(const std::string& vocab_json, const std::
 BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(read_text(path));
+    j = nlohmann::json::parse(read_file(path));
   } catch (const nlohmann::json::exception& e) {
     TS_CHECK(false, path, ": not JSON: ", e.what());
   }
