@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "torchspeed/checkpoint/consolidated.h"
-#include "torchspeed/data/tokenizer.h"
+#include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/inference/model.h"
 #include "torchspeed/models/gpt.h"
 
@@ -27,13 +27,7 @@ int main(int argc, char** argv) {
   try {
     const auto model = ts::checkpoint::load_model(argv[1]);
     const auto gpt = ts::models::GPTConfig::from_json(model.config.at("model"));
-    std::string dir = argv[1];
-    // The tokenizer beside the model (a Hugging Face folder, or our model/ folder's config).
-    std::string spec = "bytes";
-    const auto data = model.config.value("data", nlohmann::json::object());
-    if (std::ifstream(dir + "/tokenizer.json").good()) spec = dir + "/tokenizer.json";
-    else if (data.is_object() && data.contains("tokenizer")) spec = data.at("tokenizer").get<std::string>();
-    const auto tok = ts::data::load_tokenizer(spec);
+    const auto tok = ts::data::tokenizer_of_model(argv[1], model);  // as generate and serve choose
     std::ifstream in(argv[2], std::ios::binary);
     std::stringstream ss;
     ss << in.rdbuf();

@@ -39,7 +39,7 @@ Runner add_convert(CLI::App& app) {
       numel += t.numel();
     }
     if (o->format == "hf") {
-      const auto tok = model_tokenizer(o->checkpoint, model, o->tokenizer);
+      const auto tok = data::tokenizer_of_model(o->checkpoint, model, o->tokenizer);
       const bool bytes = tok->source() == "bytes";
       const auto section = model.config.value("model", nlohmann::json::object());
       const int64_t b = checkpoint::hf::save_gpt2(o->to, model.params, section, dt, bytes ? "" : tok->source(), tok->eos_id());

@@ -35,7 +35,7 @@ Runner add_generate(CLI::App& app) {
   return [o]() {
     const auto loaded = checkpoint::load_model(o->checkpoint);
     auto gpt = models::GPTConfig::from_json(loaded.config.value("model", nlohmann::json::object()));
-    const auto tok = model_tokenizer(o->checkpoint, loaded, o->tokenizer);
+    const auto tok = data::tokenizer_of_model(o->checkpoint, loaded, o->tokenizer);
     const auto prompt = tok->encode(o->prompt);
     TS_CHECK(!prompt.empty(), "generate: the prompt is empty");
     std::vector<int64_t> out;
@@ -58,14 +58,12 @@ Runner add_generate(CLI::App& app) {
       auto model = models::make_gpt(gpt);
       checkpoint::load_into(model, loaded);
       out = models::sample(model, gpt, prompt, o->sample);
-      // Past the context there is no engine to stop at the end-of-text token: cut there.
-      for (size_t i = 0; i < out.size(); ++i) {
-        if (out[i] == tok->eos_id()) out.resize(i);
-      }
     }
+    // The text ends at the end-of-text token (the engine stops there; the windowed sampler does not).
     std::string text;
     for (int64_t id : out) {
-      if (id != tok->eos_id() && id < tok->vocab_size()) text += tok->token_bytes(id);
+      if (id == tok->eos_id()) break;
+      if (id < tok->vocab_size()) text += tok->token_bytes(id);
     }
     std::printf("%s%s\n", o->prompt.c_str(), text.c_str());
     return 0;

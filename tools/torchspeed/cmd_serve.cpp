@@ -149,7 +149,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     std::fflush(stdout);
     const auto t0 = std::chrono::steady_clock::now();
     const checkpoint::Model loaded = checkpoint::load_model(o->checkpoint);
-    eo.tokenizer(model_tokenizer(o->checkpoint, loaded, o->tokenizer));
+    eo.tokenizer(data::tokenizer_of_model(o->checkpoint, loaded, o->tokenizer));
     auto model = std::make_shared<inference::InferenceModel>(loaded, fmt, tp, o->bf16_dot);
     inference::Engine engine(model, eo, tp);
     server.set_engine(&engine);

@@ -195,7 +195,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       j["model"] = model;
       const auto data_j = j.value("data", nlohmann::json::object());
       if (!data_j.is_object() || !data_j.contains("tokenizer")) {
-        j["data"]["tokenizer"] = model_tokenizer(o->init_from, *init)->source();
+        j["data"]["tokenizer"] = data::tokenizer_of_model(o->init_from, *init)->source();
       }
     }
     // A tokenizer path is saved absolute in checkpoints and the model's config.json, so that

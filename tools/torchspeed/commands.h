@@ -31,15 +31,9 @@ Runner add_autotune(CLI::App& app, const Invocation& inv);
 }  // namespace torchspeed::cli
 
 #include "torchspeed/checkpoint/consolidated.h"
-#include "torchspeed/data/tokenizer.h"
+#include "torchspeed/data/model_tokenizer.h"
 
 namespace torchspeed::cli {
-
-// The tokenizer of a model `load_model(path)` returned: `spec` when given ("bytes" or a
-// tokenizer path); else tokenizer files beside the model (a Hugging Face folder, or the model/
-// folder `torchspeed train` writes); else the training config's data.tokenizer; else bytes.
-// Its vocabulary must fit the model's.
-data::TokenizerPtr model_tokenizer(const std::string& path, const checkpoint::Model& model, const std::string& spec = "");
 
 // --set a.b.c=VALUE on a config: VALUE as JSON when it parses (numbers, true, {...}), else a string.
 void apply_override(nlohmann::json& config, const std::string& key_value);

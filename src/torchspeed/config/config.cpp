@@ -302,8 +302,9 @@ void read_autotuning(JsonReader& r, AutotuningConfig& c) {
     r.error("model_info", "profile: true (DeepSpeed's model-information profiling run) is not supported; "
                           "torchspeed knows the model's size from its config");
   }
-  r.accept("model_info");
-  r.accept("model_info_path");
+  // DeepSpeed's tuner estimates memory from them; ours runs each experiment instead.
+  no_effect(r, "model_info", "torchspeed autotune measures each experiment instead of estimating from the model's size");
+  no_effect(r, "model_info_path", "torchspeed autotune does not profile model information");
   r.finish();
 }
 

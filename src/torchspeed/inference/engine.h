@@ -101,7 +101,8 @@ class Engine {
   EngineStats stats() const;
   const InferenceModel& model() const { return *model_; }
   const EngineOptions& options() const { return options_; }
-  const data::Tokenizer& tokenizer() const { return *tokenizer_; }
+  // The tokenizer in use (bytes when the options gave none).
+  const data::TokenizerPtr& tokenizer() const { return tokenizer_; }
   int64_t context_length() const { return model_->config().seq_len; }
   int64_t kv_cache_bytes() const { return cache_->bytes(); }
 

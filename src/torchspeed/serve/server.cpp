@@ -113,7 +113,7 @@ struct Server::Impl {
     l.model_name = o.model_name();
     l.context_length = e.context_length();
     l.vocab = e.model().config().vocab;
-    l.tokenizer = e.options().tokenizer();
+    l.tokenizer = e.tokenizer();
     l.max_tokens = o.max_tokens();
     l.max_n = o.max_n();
     return l;

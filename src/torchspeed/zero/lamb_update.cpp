@@ -94,8 +94,14 @@ void ZeroOptimizer::lamb_update(float grad_scale, double lr) {
   for (size_t slot = 0; slot < first.back(); ++slot) lamb_coeffs_[slot] = optim::lamb_coeff({sums[2 * slot], sums[2 * slot + 1]}, opt_.lamb);
 
   // Pass 2: the update with each tensor's coefficient.
+  lamb_apply_pass(first, hyper);
+}
+
+void ZeroOptimizer::lamb_apply_pass(const std::vector<size_t>& first,
+                                    const std::function<optim::LambHyper(const detail::Piece&)>& hyper) {
+  const size_t km = has_master_ ? 1 : 0;  // exp_avg, then exp_avg_sq
   const optim::ParamOut out_kind = param_out(/*master_is_param=*/!has_master_);
-  cached = SIZE_MAX;
+  size_t cached = SIZE_MAX;
   at::Tensor dest;
   store_->visit(
       [&](size_t i, float* const* state) {
@@ -111,9 +117,8 @@ void ZeroOptimizer::lamb_update(float grad_scale, double lr) {
         float* p = has_master_ ? state[0] : dest.data_ptr<float>() + s.begin;
         char* out = has_master_ ? static_cast<char*>(dest.data_ptr()) + s.begin * es : nullptr;
         for_each_tensor(u, s, [&](size_t k, int64_t off, int64_t n) {
-          const double coeff = lamb_coeffs_[first[s.unit] + k];
-          optim::lamb_apply(p + off, state[km] + off, state[km + 1] + off, n, h, coeff, out ? out + off * es : nullptr,
-                            out_kind);
+          optim::lamb_apply(p + off, state[km] + off, state[km + 1] + off, n, h, lamb_coeffs_[first[s.unit] + k],
+                            out ? out + off * es : nullptr, out_kind);
         });
       },
       /*read=*/true, /*write=*/true);
@@ -264,28 +269,7 @@ void ZeroOptimizer::onebit_lamb_update(float grad_scale, double lr) {
     lamb_coeffs_[k] = ob_.coeff_freeze[k] * factor;
   }
   // 3. The update.
-  const optim::ParamOut out_kind = param_out(/*master_is_param=*/!has_master_);
-  cached = SIZE_MAX;
-  at::Tensor dest;
-  store_->visit(
-      [&](size_t i, float* const* state) {
-        const StepPiece& s = pieces_[i];
-        if (cached != s.unit) {
-          if (cached != SIZE_MAX) end_update(*units_[cached], dest);
-          dest = begin_update(*units_[s.unit]);
-          cached = s.unit;
-        }
-        const optim::LambHyper h = hyper(s);
-        const int64_t es = static_cast<int64_t>(dest.element_size());
-        float* p = has_master_ ? state[0] : dest.data_ptr<float>() + s.begin;
-        char* out = has_master_ ? static_cast<char*>(dest.data_ptr()) + s.begin * es : nullptr;
-        for_each_tensor(*units_[s.unit], s, [&](size_t k, int64_t off, int64_t n) {
-          optim::lamb_apply(p + off, state[km] + off, state[kv] + off, n, h, lamb_coeffs_[first[s.unit] + k],
-                            out ? out + off * es : nullptr, out_kind);
-        });
-      },
-      /*read=*/true, /*write=*/true);
-  if (cached != SIZE_MAX) end_update(*units_[cached], dest);
+  lamb_apply_pass(first, hyper);
 }
 
 nlohmann::json ZeroOptimizer::export_scalars() const {

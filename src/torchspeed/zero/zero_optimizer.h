@@ -318,6 +318,9 @@ class ZeroOptimizer {
   // group in between (zero/lamb_update.cpp).
   void lamb_update(float grad_scale, double lr);
   std::vector<double> lamb_coeffs_;  // the last step's coefficient per tensor (slot order)
+  // p -= lr * coeff * u over the partition with each tensor's lamb_coeffs_ (`first`: each unit's
+  // first slot); Lamb's last pass and 1-bit Lamb's.
+  void lamb_apply_pass(const std::vector<size_t>& first, const std::function<optim::LambHyper(const detail::Piece&)>& hyper);
   // 1-bit Lamb (zero/lamb_update.cpp, Note [1-bit Lamb]) and its per-tensor scalars.
   void onebit_lamb_update(float grad_scale, double lr);
   struct OneBitLambState {

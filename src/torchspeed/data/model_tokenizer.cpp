@@ -1,12 +1,13 @@
-// Which tokenizer goes with a model: see model_tokenizer in commands.h.
+// Which tokenizer goes with a model: see model_tokenizer.h.
+#include "torchspeed/data/model_tokenizer.h"
+
 #include <filesystem>
 
-#include "commands.h"
 #include "torchspeed/runtime/error.h"
 
-namespace torchspeed::cli {
+namespace torchspeed::data {
 
-data::TokenizerPtr model_tokenizer(const std::string& path, const checkpoint::Model& model, const std::string& spec) {
+TokenizerPtr tokenizer_of_model(const std::string& path, const checkpoint::Model& model, const std::string& spec) {
   namespace fs = std::filesystem;
   std::string chosen = spec;
   if (chosen.empty()) {
@@ -23,11 +24,11 @@ data::TokenizerPtr model_tokenizer(const std::string& path, const checkpoint::Mo
       chosen = data.at("tokenizer").get<std::string>();
     }
   }
-  auto tok = data::load_tokenizer(chosen);
+  auto tok = load_tokenizer(chosen);
   const int64_t vocab = model.config.value("model", nlohmann::json::object()).value("vocab", int64_t{256});
   TS_CHECK(tok->vocab_size() <= vocab, "the tokenizer ", tok->source(), " has ", tok->vocab_size(),
            " tokens but the model at ", path, " only ", vocab, ": pass the tokenizer it was trained with (--tokenizer)");
   return tok;
 }
 
-}  // namespace torchspeed::cli
+}  // namespace torchspeed::data
