@@ -248,13 +248,8 @@ TEST(Config, AutoValuesAreResolvedAsTheHuggingFaceTrainerDoes) {
 TEST(Config, RealConfigsFromDeepSpeedRepositoriesLoadOrAreRefusedByName) {
   const std::map<std::string, std::string> refused = {
       // DeepSpeed features torchspeed does not have (enabled in the file).
-      {"DeepSpeedExamples__training__MoQ__test.json", "quantize_training: is a DeepSpeed feature torchspeed does not have"},
       {"DeepSpeedExamples__training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json",
        "progressive_layer_drop: is a DeepSpeed feature"},
-      {"DeepSpeedExamples__training__data_efficiency__gpt_finetuning__config__ds_config_gpt_base_random_ltd.json",
-       "data_efficiency: is a DeepSpeed feature"},
-      {"DeepSpeedExamples__training__data_efficiency__vit_finetuning__config__ds_config_cifar_random_ltd.json",
-       "data_efficiency: is a DeepSpeed feature"},
       {"DeepSpeed__tests__model__BingBertSquad__deepspeed_bsz24_fp16_eigenvalue_quantize_config.json",
        "eigenvalue: is a DeepSpeed feature"},
       {"DeepSpeedExamples__training__DeepSpeed-ZenFlow__finetuning__zf_config.json", "zero_optimization.zenflow: ZenFlow"},
@@ -262,19 +257,9 @@ TEST(Config, RealConfigsFromDeepSpeedRepositoriesLoadOrAreRefusedByName) {
       {"DeepSpeedExamples__training__bf16_master_weight__configs__bf16_full.json",
        "bf16.bf16_master_weights_and_grads: torchspeed keeps fp32 master weights"},
       {"DeepSpeedExamples__benchmarks__autosp__configs__autosp_config.json", "compile: deepcompile"},
-      // Compression (quantization-aware training, pruning) with parts enabled inside the section.
-      {"DeepSpeedExamples__compression__bert__config__XTC__ds_config_W1A8_Qgroup1_fp32.json",
-       "compression_training: activation_quantization.shared_parameters.enabled is true"},
-      {"DeepSpeedExamples__compression__bert__config__ZeroQuant__ds_config_W48A8_Qgroup48_lkd_fp32.json",
-       "compression_training: activation_quantization.shared_parameters.enabled is true"},
-      {"DeepSpeedExamples__compression__bert__config__ds_config_W1or2A8_Qgroup64_fp16.json",
-       "compression_training: activation_quantization.shared_parameters.enabled is true"},
-      {"DeepSpeedExamples__compression__gpt2__config__ds_config_W4or8A8_Qgroup64_fp16.json",
-       "compression_training: activation_quantization.shared_parameters.enabled is true"},
-      {"DeepSpeedExamples__compression__gpt2__config__ds_config_W8A8_Qgroup64_fp16.json",
-       "compression_training: activation_quantization.shared_parameters.enabled is true"},
+      // Pruning is not available (quantization-aware training is).
       {"DeepSpeedExamples__compression__cifar__config__ds_config_channel_prune.json",
-       "compression_training: channel_pruning.shared_parameters.enabled is true"},
+       "compression_training.channel_pruning.shared_parameters: enabled is true: channel pruning"},
   };
   // What a trainer supplies for "auto" values (the number of steps, the model's hidden size).
   torchspeed::config::AutoValues trainer;

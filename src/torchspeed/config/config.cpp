@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "torchspeed/config/json_reader.h"
+#include "torchspeed/config/detail/sections.h"
 
 namespace torchspeed::config {
 namespace {
@@ -18,8 +19,8 @@ constexpr int64_t kMax32 = INT32_MAX;
 // DeepSpeed features torchspeed does not have. A section that is absent or disabled is accepted
 // with a warning; one that is enabled is an error naming it.
 const std::vector<std::string> kForeignSections = {
-    "amp", "flops_profiler", "comms_logger", "elasticity", "data_efficiency",
-    "compression_training", "sparse_attention", "wandb", "comet", "quantize_training",
+    "amp", "flops_profiler", "comms_logger", "elasticity",
+    "sparse_attention", "wandb", "comet",
     "eigenvalue", "progressive_layer_drop", "curriculum_learning", "nebula",
     "weight_quantization", "hybrid_engine", "torch_autocast"};
 // DeepSpeed flags that change nothing in torchspeed (warned, not refused).
@@ -769,6 +770,9 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
   }
   if (auto s = r.child("aio")) read_aio(*s, c.aio);
   if (auto s = r.child("autotuning")) read_autotuning(*s, c.autotuning);
+  if (auto s = r.child("compression_training")) detail::read_compression_training(*s, c.compression);
+  if (auto s = r.child("quantize_training")) detail::read_quantize_training(*s, c.compression);
+  if (auto s = r.child("data_efficiency")) detail::read_data_efficiency(*s, c.random_ltd);
   if (const auto* z = r.raw("zero_optimization"); z && z->is_object() && z->contains("stage")) c.autotuning.zero_stage_given = true;
   if (auto s = r.child("activation_checkpointing")) read_activation_checkpointing(*s, c.activation_checkpointing);
   if (auto s = r.child("pipeline")) read_pipeline(*s, c.pipeline);

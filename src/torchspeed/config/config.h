@@ -169,6 +169,66 @@ struct MonitorConfig {
   std::string job_name = "DeepSpeedJobName";
 };
 
+// Quantization-aware training: DeepSpeed's compression_training weight and activation
+// quantization (deepspeed/compression) and MoQ's quantize_training section, run by
+// compression/ (Note [Quantization-aware training] in compression/schedule.cpp).
+struct QuantizeGroupConfig {
+  std::string name;                  // the key under different_groups ("wq1")
+  std::string path;                  // its JSON path, for errors when it is bound to a model
+  std::vector<std::string> modules;  // regular expressions searched in module names
+  int start_bits = 16, target_bits = 16;  // weights: from start_bits down to target_bits
+  int64_t quantization_period = 1;        // steps at start_bits; doubles at each bit dropped
+  int bits = 8;                           // activations
+};
+
+struct WeightQuantizationConfig {
+  bool enabled = false;
+  // true: weights quantized to target_bits in every forward (DeepSpeed's
+  // quantize_weight_in_forward); false: MoQ, the start_bits -> target_bits schedule.
+  bool in_forward = false;
+  int64_t schedule_offset = 0;  // applied optimizer steps before quantization starts
+  int64_t quantize_groups = 1;  // scales per weight tensor (rows in contiguous groups)
+  bool symmetric = true;
+  bool stochastic = false;      // rounding (MoQ only)
+  bool fp16_mixed = false;      // MoQ: blend ratio * w + (1 - ratio) * q(w), ratio falling
+  double change_ratio = 0.001;  // the ratio's fall per step
+  bool verbose = false;
+  // quantize_training (MoQ as its tutorial configures it): every matrix of the model, no
+  // module list (`groups` holds one group matching every module).
+  bool every_matrix = false;
+  std::string section;  // "compression_training.weight_quantization" or "quantize_training"
+  std::vector<QuantizeGroupConfig> groups;
+};
+
+struct ActivationQuantizationConfig {
+  bool enabled = false;
+  bool symmetric = true;
+  int64_t schedule_offset = 1000;
+  std::vector<QuantizeGroupConfig> groups;
+};
+
+struct CompressionConfig {
+  WeightQuantizationConfig weight;
+  ActivationQuantizationConfig activation;
+  bool enabled() const { return weight.enabled || activation.enabled; }
+};
+
+// DeepSpeed's data_efficiency.data_routing.random_ltd (random layerwise token dropping, the
+// Random-LTD paper): the listed layers see only `kept` tokens of each sequence, a random sorted
+// subset per sample; the others pass by them unchanged. `kept` grows from min_value to max_value
+// over require_steps steps in multiples of seq_per_step ("fixed_linear").
+struct RandomLtdConfig {
+  bool enabled = false;
+  int64_t total_layer_num = 0;
+  int64_t layer_num = 0;
+  std::vector<int64_t> layer_ids;
+  int64_t min_value = 0, max_value = 0;
+  int64_t require_steps = 1, seq_per_step = 1;
+  // The tokens the listed layers keep in the forward passes after `global_steps` steps
+  // (DeepSpeed's RandomLTDScheduler.get_value).
+  int64_t kept(int64_t global_steps) const;
+};
+
 // torchspeed's own settings, under the "torchspeed" key.
 struct TorchspeedConfig {
   // Keys nobody reads: "typos" (default) refuses the ones within a small edit distance of a
@@ -229,6 +289,8 @@ struct Config {
   ZeroConfig zero;
   AioConfig aio;
   AutotuningConfig autotuning;
+  CompressionConfig compression;
+  RandomLtdConfig random_ltd;
   ActivationCheckpointingConfig activation_checkpointing;
   PipelineConfig pipeline;
   TensorParallelConfig tensor_parallel;

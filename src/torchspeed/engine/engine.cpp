@@ -76,6 +76,15 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   zero_ = zero::make_zero_optimizer(zero::collect_params(*root_, stack_, counted, param_groups_), layers, groups_.dp,
                                     zo, zero::optimizer_spec_of(config_, param_groups_));
   layer_hooks_ = zero_->layer_hooks();
+  if (config_.compression.enabled()) {
+    TS_CHECK(stack_, "compression_training and quantize_training need a LayerStack model (GPT)");
+    compression_ = std::make_unique<compression::Schedule>(config_.compression, stack_,
+                                                           plan_.stages > 1 ? groups_.pp : nullptr, config_.tp);
+  }
+  if (config_.random_ltd.enabled) {
+    TS_CHECK(stack_, "data_efficiency.data_routing.random_ltd needs a LayerStack model (GPT)");
+    random_ltd_ = std::make_unique<nn::RandomLtd>(config_.random_ltd, stack_, plan_.stages == 1);
+  }
   // Activation checkpointing: segments of `interval` layers keep only their input.
   if (const int k = config_.pipeline.activation_checkpoint_interval; k > 0) {
     segments_ = nn::interval_segments(stack_->size(), k, [this](const at::Tensor& x, size_t b, size_t e) {
@@ -110,6 +119,8 @@ at::Tensor Engine::run(const at::Tensor& input) {
     x = x.to(at::kHalf).to(compute_dtype());
   }
   if (!stack_) return any_.forward(x);
+  if (compression_) compression_->update(global_steps_ - skipped_steps_);
+  if (random_ltd_) random_ltd_->update(global_steps_);
   const bool grad = at::GradMode::is_enabled() && root_->is_training();
   if (segments_.empty() || !grad) return run_layers(x, 0, stack_->size(), grad);
   for (const auto& segment : segments_) x = nn::checkpoint(segment, x);

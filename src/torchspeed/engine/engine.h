@@ -14,11 +14,13 @@
 #include <string>
 #include <utility>
 
+#include "torchspeed/compression/schedule.h"
 #include "torchspeed/config/config.h"
 #include "torchspeed/monitor/ds_monitor.h"
 #include "torchspeed/nn/checkpoint.h"
 #include "torchspeed/nn/layer_spec.h"
 #include "torchspeed/nn/layer_stack.h"
+#include "torchspeed/nn/token_drop.h"
 #include "torchspeed/pipeline/executor.h"
 #include "torchspeed/pipeline/tied_weights.h"
 #include "torchspeed/optim/lr_schedule.h"
@@ -103,6 +105,8 @@ class Engine {
   double grad_norm() const { return grad_norm_; }
 
   std::shared_ptr<torch::nn::Module> module() const { return root_; }
+  // The quantization-aware training schedule (compression_training, quantize_training), or null.
+  const compression::Schedule* compression() const { return compression_.get(); }
   void train() { root_->train(true); }
   void eval() { root_->train(false); }
   bool is_training() const { return root_->is_training(); }
@@ -178,6 +182,8 @@ class Engine {
   StagePlan plan_;
   pipeline::TiedWeights tied_;                 // with pipeline stages
   std::unique_ptr<pipeline::Executor> executor_;  // with pipeline stages
+  std::unique_ptr<compression::Schedule> compression_;  // compression_training / quantize_training
+  std::unique_ptr<nn::RandomLtd> random_ltd_;           // data_efficiency random_ltd
   std::vector<nn::Segment> segments_;          // activation checkpointing: a segment per interval
   std::unique_ptr<monitor::Monitor> monitor_;  // world rank 0, when a monitor is enabled
   double window_loss_ = 0.0;                   // sum of this accumulation window's losses (monitor)

@@ -110,10 +110,27 @@ at::Tensor GPTEmbeddingImpl::forward(const at::Tensor& tokens) {
   TS_CHECK(tokens.size(1) <= pos->weight.size(0), "sequence of ", tokens.size(1),
            " tokens is longer than the model's seq_len ", pos->weight.size(0));
   at::Tensor positions = at::arange(tokens.size(1), tokens.options());
-  return drop(tok(tokens) + pos(positions).unsqueeze(0));
+  if (!tok_q.active() && !pos_q.active()) return drop(tok(tokens) + pos(positions).unsqueeze(0));
+  return drop(at::embedding(compression::weight_of(tok_q, tok->weight), tokens) +
+              at::embedding(compression::weight_of(pos_q, pos->weight), positions).unsqueeze(0));
 }
 
-GPTBlockImpl::GPTBlockImpl(const GPTConfig& c) : n_head(c.n_head), gelu_approximate(c.gelu_approximate()) {
+std::vector<compression::Site> GPTEmbeddingImpl::compression_sites() {
+  using K = compression::Site::Kind;
+  return {{"tok", {"transformer.wte"}, K::kEmbedding, tok->options.num_embeddings(), &tok_q},
+          {"pos", {"transformer.wpe"}, K::kEmbedding, pos->options.num_embeddings(), &pos_q}};
+}
+
+namespace {
+// A linear layer with its quantization state applied (compression/quantize.h).
+at::Tensor linear(torch::nn::Linear& l, const compression::SiteState& q, const at::Tensor& x) {
+  if (!q.active()) return l(x);
+  return at::linear(compression::input_of(q, x), compression::weight_of(q, l->weight), l->bias);
+}
+}  // namespace
+
+GPTBlockImpl::GPTBlockImpl(const GPTConfig& c, int64_t index_)
+    : n_head(c.n_head), index(index_), n_layer(c.n_layer), gelu_approximate(c.gelu_approximate()) {
   const int64_t d = c.d_model;
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).eps(c.layer_norm_eps)));
   qkv = register_module("qkv", torch::nn::Linear(d, 3 * d));
@@ -132,17 +149,30 @@ GPTBlockImpl::GPTBlockImpl(const GPTConfig& c) : n_head(c.n_head), gelu_approxim
 at::Tensor GPTBlockImpl::attention(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), d = x.size(2), hd = d / n_head;
   // [B, T, 3d] -> 3 x [B, H, T, hd]
-  auto parts = qkv(x).view({B, T, 3, n_head, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+  auto parts = linear(qkv, qkv_q, x).view({B, T, 3, n_head, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
   at::Tensor y = causal_attention(parts[0], parts[1], parts[2], drop);  // [B, H, T, hd]
-  return attn_proj(y.transpose(1, 2).reshape({B, T, d}));
+  return linear(attn_proj, attn_proj_q, y.transpose(1, 2).reshape({B, T, d}));
 }
 
 at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
-  at::Tensor h = x + drop(attention(ln1(x)));
-  return h + drop(mlp_proj(at::gelu(fc(ln2(h)), gelu_approximate)));
+  auto block = [this](const at::Tensor& in) {
+    at::Tensor h = in + drop(attention(ln1(in)));
+    return h + drop(linear(mlp_proj, mlp_proj_q, at::gelu(linear(fc, fc_q, ln2(h)), gelu_approximate)));
+  };
+  if (kept_tokens > 0 && is_training()) return nn::run_on_kept_tokens(x, kept_tokens, block);
+  return block(x);
 }
 
-GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) {
+std::vector<compression::Site> GPTBlockImpl::compression_sites() {
+  using K = compression::Site::Kind;
+  const std::string h = "transformer.h." + std::to_string(index) + ".";
+  return {{"qkv", {h + "attn.c_attn"}, K::kLinear, qkv->options.out_features(), &qkv_q},
+          {"attn_proj", {h + "attn.c_proj"}, K::kLinear, attn_proj->options.out_features(), &attn_proj_q},
+          {"fc", {h + "mlp.c_fc"}, K::kLinear, fc->options.out_features(), &fc_q},
+          {"mlp_proj", {h + "mlp.c_proj"}, K::kLinear, mlp_proj->options.out_features(), &mlp_proj_q}};
+}
+
+GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) : is_tied(tied.defined()), vocab(c.vocab) {
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)));
   if (tied.defined()) {
     weight = register_parameter("weight", tied);
@@ -151,7 +181,15 @@ GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) {
   }
 }
 
-at::Tensor GPTHeadImpl::forward(const at::Tensor& x) { return at::matmul(ln_f(x), weight.t()); }
+at::Tensor GPTHeadImpl::forward(const at::Tensor& x) {
+  if (!weight_q.active()) return at::matmul(ln_f(x), weight.t());
+  return at::matmul(compression::input_of(weight_q, ln_f(x)), compression::weight_of(weight_q, weight).t());
+}
+
+std::vector<compression::Site> GPTHeadImpl::compression_sites() {
+  if (is_tied) return {};
+  return {{"head", {"lm_head"}, compression::Site::Kind::kLinear, vocab, &weight_q}};
+}
 
 namespace {
 torch::nn::LayerNorm copy_norm(const torch::nn::LayerNorm& src) {
@@ -257,7 +295,7 @@ nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr 
   for (int64_t i = 0; i < c.n_layer; ++i) {
     spec.layers.push_back({"block" + std::to_string(i),
                            [c, tp, parallel, init, i](const nn::TiedTensors&) {
-                             GPTBlock dense(c);
+                             GPTBlock dense(c, i);
                              load_layer(*dense, "block" + std::to_string(i), init);
                              return parallel ? torch::nn::AnyModule(GPTBlockTP(dense, tp)) : torch::nn::AnyModule(dense);
                            },

@@ -16,7 +16,9 @@
 #include <string>
 
 #include "torchspeed/comm/communicator.h"
+#include "torchspeed/compression/quantize.h"
 #include "torchspeed/nn/layer_spec.h"
+#include "torchspeed/nn/token_drop.h"
 #include "torchspeed/tensor_parallel/layers.h"
 #include "torchspeed/nn/layer_stack.h"
 
@@ -46,36 +48,53 @@ struct GPTConfig {
   double flops_per_token() const;
 };
 
-class GPTEmbeddingImpl : public torch::nn::Module {
+// The dense layers are compressible (compression/): each linear layer and embedding has a
+// quantization state the schedule sets, named as ours ("block3.qkv") and as GPT-2's
+// ("transformer.h.3.attn.c_attn"), so DeepSpeed's GPT-2 compression configs apply unchanged.
+class GPTEmbeddingImpl : public torch::nn::Module, public compression::Compressible {
  public:
   explicit GPTEmbeddingImpl(const GPTConfig& c);
   at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> [B, T, d]
+  std::vector<compression::Site> compression_sites() override;
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   torch::nn::Dropout drop{nullptr};
+  compression::SiteState tok_q, pos_q;
 };
 TORCH_MODULE(GPTEmbedding);
 
-class GPTBlockImpl : public torch::nn::Module {
+class GPTBlockImpl : public torch::nn::Module, public compression::Compressible, public nn::TokenDroppable {
  public:
-  GPTBlockImpl(const GPTConfig& c);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+  GPTBlockImpl(const GPTConfig& c, int64_t index = 0);
+  // [B, T, d] -> [B, T, d]; in training with kept_tokens set (random_ltd), on those tokens only.
+  at::Tensor forward(const at::Tensor& x);
   at::Tensor attention(const at::Tensor& x);
+  std::vector<compression::Site> compression_sites() override;
+  int64_t droppable_index() const override { return index; }
+  int64_t droppable_count() const override { return n_layer; }
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, attn_proj{nullptr}, fc{nullptr}, mlp_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
   int64_t n_head;
+  int64_t index;  // the block's place in the stack (GPT-2's h.<index>)
+  int64_t n_layer;
   std::string gelu_approximate;
+  compression::SiteState qkv_q, attn_proj_q, fc_q, mlp_proj_q;
 };
 TORCH_MODULE(GPTBlock);
 
-class GPTHeadImpl : public torch::nn::Module {
+class GPTHeadImpl : public torch::nn::Module, public compression::Compressible {
  public:
   // `tied`: the token embedding's weight [vocab, d], shared (registered here too, so every
   // engine knows this layer uses it); undefined for an untied head.
   GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied);
   at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> logits [B, T, vocab]
+  // An untied head is a linear layer ("head", GPT-2's "lm_head"); a tied one has none of its own.
+  std::vector<compression::Site> compression_sites() override;
   torch::nn::LayerNorm ln_f{nullptr};
   at::Tensor weight;
+  bool is_tied;
+  int64_t vocab;
+  compression::SiteState weight_q;
 };
 TORCH_MODULE(GPTHead);
 
