@@ -7,12 +7,6 @@
 namespace torchspeed::config::detail {
 namespace {
 
-// Accepts every key of a disabled part without reading it: nothing in it takes effect.
-void accept_all(JsonReader& r, const nlohmann::json& j) {
-  if (!j.is_object()) return;
-  for (const auto& item : j.items()) r.accept(item.key());
-}
-
 // The module patterns of a group: a list of regular expressions (DeepSpeed re.search()es them
 // in module names). Each must compile.
 std::vector<std::string> read_modules(JsonReader& g) {

@@ -16,12 +16,6 @@ int64_t RandomLtdConfig::kept(int64_t global_steps) const {
 }
 
 namespace detail {
-namespace {
-void accept_all(JsonReader& r, const nlohmann::json& j) {
-  if (!j.is_object()) return;
-  for (const auto& item : j.items()) r.accept(item.key());
-}
-}  // namespace
 
 void read_data_efficiency(JsonReader& r, RandomLtdConfig& c) {
   r.get_bool("enabled", false);

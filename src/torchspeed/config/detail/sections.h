@@ -6,6 +6,12 @@
 
 namespace torchspeed::config::detail {
 
+// Accepts every key of a disabled part without reading it: nothing in it takes effect.
+inline void accept_all(JsonReader& r, const nlohmann::json& j) {
+  if (!j.is_object()) return;
+  for (const auto& item : j.items()) r.accept(item.key());
+}
+
 // compression_training: weight and activation quantization; the pruning methods and
 // layer_reduction are accepted when disabled and refused by name when enabled.
 void read_compression_training(JsonReader& r, CompressionConfig& c);
