@@ -684,6 +684,7 @@ def check_bad_ranges():
         ({"max_tokens": CTX.max_len + 1}, "max_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"n": 0}, "n"),
+        ({"n": MAX_QUEUE + 1}, "n"),  # more choices than the queue holds could never be served
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": [72, 300]}, "prompt"),  # vocab is 256: token 300 does not exist
         ({"prompt": [72, -1]}, "prompt"),
@@ -744,9 +745,9 @@ def _retry_after_ok(v):
     return v.isdigit() or email.utils.parsedate(v) is not None
 
 
-def _burst(count, max_tokens):
+def _burst(count, max_tokens, n=1):
     """Sends count streaming requests at once; returns a list of (status, headers, body/None)."""
-    body = completions_body(prompt="Hi", max_tokens=max_tokens, temperature=1.0, stream=True)
+    body = completions_body(prompt="Hi", max_tokens=max_tokens, temperature=1.0, stream=True, n=n)
     data = _encode(body)
     hdrs = _headers(data, None, True)
     streams = [RawStream(CTX.port, "POST", "/v1/completions", data, hdrs) for _ in range(count)]
@@ -786,12 +787,16 @@ def _burst(count, max_tokens):
 
 
 def check_full_queue_429():
-    count = 2 * (MAX_QUEUE + MAX_NUM_SEQS)  # 16 requests, room for 4 running + 4 waiting
+    # Each request asks for n = MAX_QUEUE choices, queued together or not at all: two requests
+    # fill the 4 running slots and the queue of 4, so a third is refused until all the first
+    # one's choices have finished. (Single-choice bursts could miss the 429: a small model
+    # finishes its requests before 9 of them have arrived.)
+    count = 8
     max_tokens = tokens_for(2, CTX.max_len - 8)
     seen_429, summary = False, []
-    for attempt in range(3):  # a small model can finish requests fast; retry the burst
+    for attempt in range(3):
         wait_idle(30.0, "before the burst")
-        results = _burst(count, max_tokens)
+        results = _burst(count, max_tokens, n=MAX_QUEUE)
         statuses = [r[0] if r else "no answer" for r in results]
         summary.append(statuses)
         for status, headers, payload in (r for r in results if r):
@@ -813,8 +818,8 @@ def check_full_queue_429():
         if 429 in statuses:
             seen_429 = True
             break
-    check(seen_429, f"no 429 with {count} concurrent requests, room for "
-          f"{MAX_NUM_SEQS}+{MAX_QUEUE}: {summary}")
+    check(seen_429, f"no 429 with {count} concurrent requests of n={MAX_QUEUE}, room for "
+          f"{MAX_NUM_SEQS}+{MAX_QUEUE} sequences: {summary}")
     ok, info = wait_until(idle_state, 30.0)  # aborted streams leave nothing behind
     check(ok, f"30 s after closing the burst: {info}")
     r = complete("Hi", max_tokens=2, temperature=0)

@@ -77,27 +77,45 @@ Engine::~Engine() {
 }
 
 std::optional<uint64_t> Engine::submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink) {
+  std::vector<Submission> one;
+  one.push_back({std::move(prompt), params, std::move(sink)});
+  const auto ids = submit_all(std::move(one));
+  if (!ids) return std::nullopt;
+  return ids->front();
+}
+
+std::optional<std::vector<uint64_t>> Engine::submit_all(std::vector<Submission> group) {
   const int64_t ctx = model_->config().seq_len, vocab = model_->config().vocab;
-  TS_CHECK(!prompt.empty(), "the prompt is empty");
-  TS_CHECK(params.max_tokens >= 1, "max_tokens must be at least 1, got ", params.max_tokens);
-  TS_CHECK(static_cast<int64_t>(prompt.size()) + params.max_tokens <= ctx, "the prompt (",
-           prompt.size(), " tokens) and max_tokens (", params.max_tokens, ") exceed the model's context of ", ctx,
-           " tokens");
-  for (int64_t t : prompt) TS_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
-  auto s = std::make_unique<Sequence>(params);
-  s->prompt_len = static_cast<int64_t>(prompt.size());
-  s->tokens = std::move(prompt);
-  s->sink = std::move(sink);
-  s->submitted = Clock::now();
-  s->prompt_lp_pending = params.prompt_logprobs;
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (Submission& sub : group) {
+    const auto& prompt = sub.prompt;
+    const SamplingParams& params = sub.params;
+    TS_CHECK(!prompt.empty(), "the prompt is empty");
+    TS_CHECK(params.max_tokens >= 1, "max_tokens must be at least 1, got ", params.max_tokens);
+    TS_CHECK(static_cast<int64_t>(prompt.size()) + params.max_tokens <= ctx, "the prompt (",
+             prompt.size(), " tokens) and max_tokens (", params.max_tokens, ") exceed the model's context of ", ctx,
+             " tokens");
+    for (int64_t t : prompt) TS_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
+    auto s = std::make_unique<Sequence>(params);
+    s->prompt_len = static_cast<int64_t>(prompt.size());
+    s->tokens = std::move(sub.prompt);
+    s->sink = std::move(sub.sink);
+    s->prompt_lp_pending = params.prompt_logprobs;
+    seqs.push_back(std::move(s));
+  }
+  const auto now = Clock::now();
+  std::vector<uint64_t> ids;
   std::lock_guard<std::mutex> g(mu_);
-  if (stopping_ || queued_.load() >= options_.max_queue()) return std::nullopt;
-  s->id = next_id_++;
-  const uint64_t id = s->id;
-  inbox_.push_back(std::move(s));
-  ++queued_;
+  if (stopping_ || queued_.load() + static_cast<int64_t>(seqs.size()) > options_.max_queue()) return std::nullopt;
+  for (auto& s : seqs) {
+    s->id = next_id_++;
+    s->submitted = now;
+    ids.push_back(s->id);
+    inbox_.push_back(std::move(s));
+    ++queued_;
+  }
   cv_.notify_one();
-  return id;
+  return ids;
 }
 
 void Engine::cancel(uint64_t id) {

@@ -81,6 +81,15 @@ class Engine {
   // Queues a request; returns its id, or nullopt when the queue is full. The prompt must fit
   // the context with max_tokens (checked here: TS_CHECK names the limit).
   std::optional<uint64_t> submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink);
+  // Several sequences that belong together (a request's prompts x n): every one is checked
+  // first (TS_CHECK names the bad one), then all are queued or, when the queue lacks room for
+  // all of them, none (nullopt). Ids in the order given.
+  struct Submission {
+    std::vector<int64_t> prompt;
+    SamplingParams params;
+    Sink sink;
+  };
+  std::optional<std::vector<uint64_t>> submit_all(std::vector<Submission> group);
   // Ends a request (a client that went away): its blocks are freed on the next iteration and
   // its sink gets a finished event with reason "abort".
   void cancel(uint64_t id);

@@ -115,7 +115,8 @@ struct Server::Impl {
     l.vocab = e.model().config().vocab;
     l.tokenizer = e.tokenizer();
     l.max_tokens = o.max_tokens();
-    l.max_n = o.max_n();
+    // A request's choices enter the queue together: more than it holds could never be served.
+    l.max_n = std::max<int64_t>(1, std::min(o.max_n(), e.options().max_queue()));
     return l;
   }
 
@@ -153,6 +154,7 @@ struct Server::Impl {
       job->stream = r->stream;
       const int64_t total = static_cast<int64_t>(r->prompts.size()) * r->n;
       job->choices.resize(static_cast<size_t>(total));
+      std::vector<inference::Engine::Submission> group;
       for (int64_t i = 0; i < total; ++i) {
         inference::SamplingParams p = r->params;
         if (p.seed) p.seed = *p.seed + static_cast<uint64_t>(i % r->n);
@@ -174,22 +176,26 @@ struct Server::Impl {
           }
           job->cv.notify_all();
         };
-        std::optional<uint64_t> id;
-        try {
-          id = e->submit(r->prompts[static_cast<size_t>(i / r->n)], p, sink);
-        } catch (const Error& err) {
-          for (uint64_t x : job->ids) e->cancel(x);
-          throw ApiError(400, err.what(), "prompt");
-        }
-        if (!id) {
-          for (uint64_t x : job->ids) e->cancel(x);
-          ++rejected;
-          res.set_header("Retry-After", "1");
-          send_error(res, ApiError(429, "the server's queue is full; retry later", "", "rate_limit_error", "queue_full"));
-          return;
-        }
+        group.push_back({r->prompts[static_cast<size_t>(i / r->n)], p, sink});
+      }
+      // A request's choices are queued together or not at all. (One by one, whether the last
+      // of n choices found room depended on how many the engine had admitted meanwhile: the
+      // same request could be served or refused on an idle server.)
+      std::optional<std::vector<uint64_t>> ids;
+      try {
+        ids = e->submit_all(std::move(group));
+      } catch (const Error& err) {
+        throw ApiError(400, err.what(), "prompt");
+      }
+      if (!ids) {
+        ++rejected;
+        res.set_header("Retry-After", "1");
+        send_error(res, ApiError(429, "the server's queue is full; retry later", "", "rate_limit_error", "queue_full"));
+        return;
+      }
+      {
         std::lock_guard<std::mutex> g(job->mu);
-        job->ids.push_back(*id);
+        job->ids = *ids;
       }
       const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
       if (!r->stream) {
