@@ -194,25 +194,29 @@ TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
     EXPECT_TRUE(at::equal(l.forward(x, 5), ServingLinear(w, b, WeightFormat::kBF16, false).forward(x, 5)));
     return;
   }
-  for (int64_t K : {45, 64, 200}) {  // a masked tail, whole steps of 32, both
-    const at::Tensor w = at::randn({70, K}), b = at::randn({70}), x = at::randn({40, K});
-    ServingLinear l(w, b, WeightFormat::kBF16, /*bf16_dot=*/true);
-    ASSERT_TRUE(l.bf16_dot());
-    EXPECT_FALSE(ServingLinear(w, b, WeightFormat::kFP32, true).bf16_dot());
-    // Exact products of the rounded input and weight, summed in fp32.
-    const at::Tensor ref = at::matmul(x.to(at::kBFloat16).to(at::kDouble), w.to(at::kBFloat16).to(at::kDouble).t()) + b.to(at::kDouble);
-    const at::Tensor y = l.forward(x, 0);
-    EXPECT_LT((y.to(at::kDouble) - ref).abs().max().item<double>(), 2e-5 * std::sqrt(static_cast<double>(K))) << "K " << K;
-    EXPECT_EQ(l.forward(x.narrow(0, 0, 0), 0).sizes(), (std::vector<int64_t>{0, 70}));  // no rows
-    // One kernel for every row count: a row's bits are the same alone, among 3, 16 or 40.
-    for (int64_t r : {0, 2, 13, 39}) {
-      const at::Tensor alone = l.forward(x.narrow(0, r, 1), 1)[0];
-      EXPECT_TRUE(at::equal(alone, y[r])) << "K " << K << " row " << r;
-      if (r < 16) {
-        EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, 16), 16)[r])) << "K " << K << " row " << r;
-      }
-      if (r < 3) {
-        EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, 3), 3)[r])) << "K " << K << " row " << r;
+  for (WeightFormat fmt : {WeightFormat::kBF16, WeightFormat::kInt8}) {
+    for (int64_t K : {45, 64, 200}) {  // a masked tail, whole steps of 32, both
+      const std::string what = std::string(weight_format_name(fmt)) + " K " + std::to_string(K);
+      const at::Tensor w = at::randn({70, K}), b = at::randn({70}), x = at::randn({40, K});
+      ServingLinear l(w, b, fmt, /*bf16_dot=*/true);
+      ASSERT_TRUE(l.bf16_dot());
+      EXPECT_FALSE(ServingLinear(w, b, WeightFormat::kFP32, true).bf16_dot());
+      // Exact products of the rounded input and the stored weight (bf16, or int8 times its
+      // channel's scale), summed in fp32.
+      const at::Tensor wd = fmt == WeightFormat::kBF16 ? w.to(at::kBFloat16).to(at::kDouble) : l.dense_weight().to(at::kDouble);
+      const at::Tensor ref = at::matmul(x.to(at::kBFloat16).to(at::kDouble), wd.t()) + b.to(at::kDouble);
+      const at::Tensor y = l.forward(x, 0);
+      EXPECT_LT((y.to(at::kDouble) - ref).abs().max().item<double>(), 2e-5 * std::sqrt(static_cast<double>(K))) << what;
+      EXPECT_EQ(l.forward(x.narrow(0, 0, 0), 0).sizes(), (std::vector<int64_t>{0, 70}));  // no rows
+      // One kernel for every row count: a row's bits are the same alone, among 2, 3, 16 or 40.
+      for (int64_t r : {0, 1, 2, 13, 39}) {
+        const at::Tensor alone = l.forward(x.narrow(0, r, 1), 1)[0];
+        EXPECT_TRUE(at::equal(alone, y[r])) << what << " row " << r;
+        for (int64_t n : {2, 3, 16}) {
+          if (r < n) {
+            EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, n), n)[r])) << what << " row " << r << " of " << n;
+          }
+        }
       }
     }
   }
@@ -353,28 +357,60 @@ TEST(Engine, TokensDoNotDependOnBatchingChunksOrPreemption) {
   }
 }
 
-// bf16 weights (with bf16 dot products where the CPU has them): one kernel for every row count,
-// so a prompt chunk of any length and any batch give the same tokens.
+// bf16 weights (with bf16 dot products where the CPU has them), and int8 weights where they
+// use the same dot products: one kernel for every row count, so a prompt chunk of any length
+// and any batch give the same tokens.
 TEST(Engine, Bf16TokensDoNotDependOnBatchingOrChunks) {
+  std::vector<WeightFormat> formats{WeightFormat::kBF16};
+  if (have_bf16_dot()) formats.push_back(WeightFormat::kInt8);
+  for (WeightFormat fmt : formats) {
+    Fixture f;
+    std::vector<int> all;
+    for (int i = 0; i < 16; ++i) all.push_back(i);
+    std::vector<Collected> alone;
+    for (int i : all) {
+      alone.push_back(run_requests(f, opts(256, 1).kv(KVCacheOptions().block_size(8).budget_mb(4).dtype(at::kBFloat16)), {i},
+                                   false, nullptr, fmt)[0]);
+    }
+    auto bf16_kv = [](EngineOptions o) { return o.kv(KVCacheOptions(o.kv()).dtype(at::kBFloat16)); };
+    const auto batched = run_requests(f, bf16_kv(opts(256, 16)), all, false, nullptr, fmt);
+    const auto chunked = run_requests(f, bf16_kv(opts(7, 16)), all, false, nullptr, fmt);
+    for (size_t i = 0; i < all.size(); ++i) {
+      EXPECT_EQ(batched[i].tokens, alone[i].tokens) << weight_format_name(fmt) << " request " << i;
+      EXPECT_EQ(chunked[i].tokens, alone[i].tokens) << weight_format_name(fmt) << " request " << i;
+    }
+    // A 33-token prompt alone in 7-token chunks: its first steps want no logits at all (the
+    // forward passes no row to the head; a crash in serve before this test existed).
+    const auto alone_chunked = run_requests(f, bf16_kv(opts(7, 1)), {4}, false, nullptr, fmt);
+    EXPECT_EQ(alone_chunked[0].tokens, alone[4].tokens) << weight_format_name(fmt);
+  }
+}
+
+TEST(Engine, SubmitAllQueuesEveryChoiceOrNone) {
   Fixture f;
-  std::vector<int> all;
-  for (int i = 0; i < 16; ++i) all.push_back(i);
-  std::vector<Collected> alone;
-  for (int i : all) {
-    alone.push_back(run_requests(f, opts(256, 1).kv(KVCacheOptions().block_size(8).budget_mb(4).dtype(at::kBFloat16)), {i},
-                                 false, nullptr, WeightFormat::kBF16)[0]);
-  }
-  auto bf16_kv = [](EngineOptions o) { return o.kv(KVCacheOptions(o.kv()).dtype(at::kBFloat16)); };
-  const auto batched = run_requests(f, bf16_kv(opts(256, 16)), all, false, nullptr, WeightFormat::kBF16);
-  const auto chunked = run_requests(f, bf16_kv(opts(7, 16)), all, false, nullptr, WeightFormat::kBF16);
-  for (size_t i = 0; i < all.size(); ++i) {
-    EXPECT_EQ(batched[i].tokens, alone[i].tokens) << "request " << i;
-    EXPECT_EQ(chunked[i].tokens, alone[i].tokens) << "request " << i;
-  }
-  // A 33-token prompt alone in 7-token chunks: its first steps want no logits at all (the
-  // forward passes no row to the head; a crash in serve before this test existed).
-  const auto alone_chunked = run_requests(f, bf16_kv(opts(7, 1)), {4}, false, nullptr, WeightFormat::kBF16);
-  EXPECT_EQ(alone_chunked[0].tokens, alone[4].tokens);
+  auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
+  Engine e(model, opts(64, 4).max_queue(4));
+  SamplingParams p;
+  p.max_tokens = 2;
+  auto group = [&](int n) {
+    std::vector<Engine::Submission> g;
+    for (int i = 0; i < n; ++i) g.push_back({prompt_of(i, 6), p, nullptr});
+    return g;
+  };
+  EXPECT_FALSE(e.submit_all(group(5)).has_value());  // more than the queue holds
+  EXPECT_EQ(e.stats().waiting, 0);
+  const auto three = e.submit_all(group(3));
+  ASSERT_TRUE(three.has_value());
+  EXPECT_EQ(three->size(), 3u);
+  EXPECT_FALSE(e.submit_all(group(2)).has_value());  // 3 + 2 > 4: none of the two
+  EXPECT_TRUE(e.submit_all(group(1)).has_value());
+  // A bad choice refuses the whole group before anything is queued.
+  auto bad = group(2);
+  bad[1].prompt.push_back(300);
+  e.run_until_idle();
+  ts_test::expect_error([&] { e.submit_all(std::move(bad)); }, "prompt token 300 is outside the vocabulary");
+  EXPECT_EQ(e.stats().waiting, 0);
+  EXPECT_EQ(e.stats().blocks_used, 0);
 }
 
 TEST(Engine, StopStringsQueueLimitAndCancel) {

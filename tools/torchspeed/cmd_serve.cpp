@@ -72,7 +72,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--served-model-name", o->model_name, "The model id clients send (default: the checkpoint's folder name)");
   cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16 or int8 (weight-only, per-channel scales)")->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   cmd->add_flag("!--no-bf16-dot", o->bf16_dot,
-                "With bf16 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16; each linear's input rounded to bf16)");
+                "With bf16 or int8 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16; each linear's input rounded to bf16)");
   cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank")->check(CLI::Range(0.01, 1e7));
   cmd->add_option("--kv-cache-dtype", o->kv_dtype, "KV cache dtype: auto (fp32 with fp32 weights, else bf16), fp32 or bf16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16"}));

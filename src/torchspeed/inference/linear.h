@@ -18,10 +18,10 @@ const char* weight_format_name(WeightFormat f);
 class ServingLinear {
  public:
   ServingLinear() = default;
-  // weight [out, in] (any floating dtype), bias [out] or undefined. `bf16_dot`: with bf16
-  // weights on a CPU with AVX512-BF16, round each input row to bf16 and multiply with bf16 dot
-  // products (fp32 accumulation and output; Note [bf16 dot products]); elsewhere, or false,
-  // widen the weights to fp32.
+  // weight [out, in] (any floating dtype), bias [out] or undefined. `bf16_dot`: with bf16 or
+  // int8 weights on a CPU with AVX512-BF16, round each input row to bf16 and multiply with bf16
+  // dot products (int8 values are exact in bf16; fp32 accumulation and output; Note [bf16 dot
+  // products]); elsewhere, or false, widen the weights to fp32.
   ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot = false);
 
   // x [rows, in] fp32 contiguous -> [rows, out] fp32, bias added unless `add_bias` is false.

@@ -10,6 +10,11 @@
 // so a row gets the same bits alone, batched, or inside a prompt chunk of any length; prompt
 // chunks use the same kernel (it outruns oneDNN's bf16 GEMM with its fp32 output here, see
 // `torchspeed bench serve`), so chunking does not change a token either.
+// int8 weights (one scale per output channel) go through the same tiles: an integer in
+// [-127, 127] is exact in bf16, so widening it to bf16 loses nothing, the product with the
+// rounded input is exact in fp32, and the scale multiplies the fp32 sum. The rounding is the
+// bf16 path's (the input's), and int8 gets the bf16 rate for every row count instead of fp32
+// FMAs for decode rows and a dequantized fp32 GEMM for prompt chunks.
 #include "torchspeed/inference/linear_bf16.h"
 
 #include <ATen/Parallel.h>
@@ -56,11 +61,19 @@ TS_BF16 inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m
 TS_BF16 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, p));
 }
+// 32 int8 weights as bf16: every integer in [-127, 127] is exact in bf16's 8-bit significand.
+TS_BF16 inline __m512bh int8_to_bh(__m256i b) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // lo in lanes 0-15, hi in 16-31: the order of k
+}
+TS_BF16 inline __m512bh load_bh(const int8_t* p) { return int8_to_bh(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+TS_BF16 inline __m512bh load_bh(const int8_t* p, __mmask32 m) { return int8_to_bh(_mm256_maskz_loadu_epi8(m, p)); }
 
 // out[r * ldo + j] = dot(x + r * Kp, w + j * K), R rows by J channels, k in steps of 32. The
 // rounded rows are zero past K; the weights are masked there (their row stride is K).
-template <int R, int J>
-TS_BF16 void tile(const uint16_t* x, int64_t Kp, int64_t K, const uint16_t* w, float* out, int64_t ldo) {
+template <int R, int J, class WT>
+TS_BF16 void tile(const uint16_t* x, int64_t Kp, int64_t K, const WT* w, float* out, int64_t ldo) {
   __m512 acc[R][J];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -162,9 +175,52 @@ TS_BF16 void block(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K, cons
   }
 }
 
+// int8 weights: one or two rows widen them inside the tile (the weight bytes bound the time);
+// more rows widen each group of 4 channels once into bf16 (exact), then run the bf16 tiles
+// over it while it sits in L1. Both give every (row, channel) the same bf16 operands and the
+// same instruction sequence, so a row's bits do not depend on the row count; the per-channel
+// scale multiplies the fp32 sum.
+TS_BF16 void block_int8(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K, const int8_t* w, const float* scale,
+                        int64_t o0, int64_t o1, float* y, int64_t N, std::vector<uint16_t>& wb) {
+  if (rows <= 2) {
+    for (int64_t o = o0; o < o1; ++o) {
+      if (rows == 2) tile<2, 1>(xb, Kp, K, w + o * K, y + o, N);
+      else tile<1, 1>(xb, Kp, K, w + o * K, y + o, N);
+    }
+  } else {
+    wb.resize(static_cast<size_t>(4 * Kp));
+    for (int64_t o = o0; o < o1;) {
+      const int64_t J = o + 4 <= o1 ? 4 : 1;
+      for (int64_t j = 0; j < J; ++j) {
+        const int8_t* src = w + (o + j) * K;
+        uint16_t* dst = wb.data() + j * K;
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) _mm512_storeu_si512(dst + k, reinterpret_cast<__m512i>(load_bh(src + k)));
+        if (k < K) {
+          const __mmask32 m = static_cast<__mmask32>((1ull << (K - k)) - 1ull);
+          _mm512_mask_storeu_epi16(dst + k, m, reinterpret_cast<__m512i>(load_bh(src + k, m)));
+        }
+      }
+      for (int64_t g = 0; g < rows; g += kRowGroup) {
+        const int64_t gr = std::min(kRowGroup, rows - g);
+        if (J == 4) rows_over<4>(xb + g * Kp, gr, Kp, K, wb.data(), y + g * N + o, N);
+        else rows_over<1>(xb + g * Kp, gr, Kp, K, wb.data(), y + g * N + o, N);
+      }
+      o += J;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = o0; o < o1; ++o) y[r * N + o] *= scale[o];
+  }
+}
+
 }  // namespace
 
-void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint16_t* w, float* y) {
+namespace {
+// Rounds each row to bf16 once (zero-padded to a multiple of 32), then hands the threads
+// ranges of 64-channel blocks: run(xb, Kp, block begin, block end, channel block size).
+template <class F>
+void over_channel_blocks(const float* x, int64_t rows, int64_t K, int64_t N, const F& run) {
   TS_INTERNAL_ASSERT(have_bf16_dot(), "bf16 dot products need AVX512-BF16");
   if (rows <= 0 || N <= 0) return;  // (a step whose prompt chunks want no logits has no head rows)
   const int64_t Kp = (K + 31) / 32 * 32;
@@ -175,8 +231,21 @@ void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uin
   const int threads = std::max(1, at::get_num_threads());
   const int64_t blk = 64;
   const int64_t blocks = (N + blk - 1) / blk;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (2 * threads)), [&](int64_t bb, int64_t be) {
-    for (int64_t b = bb; b < be; ++b) block(xb.data(), rows, Kp, K, w, b * blk, std::min(N, (b + 1) * blk), y, N);
+  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (2 * threads)),
+                   [&](int64_t bb, int64_t be) { run(xb.data(), Kp, bb, be, blk); });
+}
+}  // namespace
+
+void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint16_t* w, float* y) {
+  over_channel_blocks(x, rows, K, N, [&](const uint16_t* xb, int64_t Kp, int64_t bb, int64_t be, int64_t blk) {
+    for (int64_t b = bb; b < be; ++b) block(xb, rows, Kp, K, w, b * blk, std::min(N, (b + 1) * blk), y, N);
+  });
+}
+
+void int8_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const int8_t* w, const float* scale, float* y) {
+  over_channel_blocks(x, rows, K, N, [&](const uint16_t* xb, int64_t Kp, int64_t bb, int64_t be, int64_t blk) {
+    std::vector<uint16_t> wb;  // this thread's widened weights
+    for (int64_t b = bb; b < be; ++b) block_int8(xb, rows, Kp, K, w, scale, b * blk, std::min(N, (b + 1) * blk), y, N, wb);
   });
 }
 
