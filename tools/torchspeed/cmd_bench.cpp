@@ -25,10 +25,12 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--json", o->args.json_path, "Write the results as JSON to FILE");
   cmd->add_flag("--quick", o->args.quick, "Fewer sizes and repetitions (smoke run)");
   cmd->add_flag("--engine-part", o->engine_part, "(internal) bench train's ranks");
-  cmd->add_option("--spec", o->args.spec, "(internal) what bench train's ranks run, as JSON");
+  cmd->add_option("--spec", o->args.spec,
+                  "(internal) what bench train's ranks run, as JSON; for bench serve, the parts to run (see bench_serve.cpp)");
   return [o, &inv]() {
-    TS_CHECK((!o->engine_part && o->args.spec.empty()) || o->name == "train" || o->name == "offload",
-             "--engine-part and --spec belong to bench train's and bench offload's own runs, not to bench ", o->name);
+    TS_CHECK((!o->engine_part && o->args.spec.empty()) || o->name == "train" || o->name == "offload" ||
+                 (o->name == "serve" && !o->engine_part),
+             "--engine-part and --spec belong to bench train's, bench offload's and bench serve's own runs, not to bench ", o->name);
     TS_CHECK(!o->engine_part || !o->args.spec.empty(), "bench ", o->name, " --engine-part needs --spec");
     if (o->name == "offload" && !o->engine_part) return bench::run_offload(o->args, inv.self_path);  // runs its parts
     if (o->name == "train" && !o->engine_part) return bench::run_train(o->args, inv.self_path);  // launches its ranks
