@@ -17,21 +17,9 @@ using ts_test::world;
 namespace ts = torchspeed;
 
 namespace {
-ts::models::GPTConfig tiny() {
-  ts::models::GPTConfig c;
-  c.vocab = 64;
-  c.seq_len = 8;
-  c.d_model = 16;
-  c.n_layer = 2;
-  c.n_head = 4;
-  return c;
-}
+ts::models::GPTConfig tiny() { return ts_test::tiny_gpt(2); }
 
-std::pair<at::Tensor, at::Tensor> data(int step, int m, int d) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + step * 100 + m * 10 + d);
-  at::Tensor t = at::randint(0, 64, {2, 9}, gen, at::kLong);
-  return {t.narrow(1, 0, 8).contiguous(), t.narrow(1, 1, 8).contiguous()};
-}
+std::pair<at::Tensor, at::Tensor> data(int step, int m, int d) { return ts_test::lm_batch(700, step, m, d); }
 
 std::vector<ts_test::MicroBatch> global_batch(int s, int gas, int dp) {
   std::vector<ts_test::MicroBatch> micro;

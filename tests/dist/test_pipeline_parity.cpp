@@ -23,21 +23,11 @@ namespace ts = torchspeed;
 
 namespace {
 
-ts::models::GPTConfig tiny() {
-  ts::models::GPTConfig c;
-  c.vocab = 64;
-  c.seq_len = 8;
-  c.d_model = 16;
-  c.n_layer = 4;
-  c.n_head = 4;
-  return c;
-}
+ts::models::GPTConfig tiny() { return ts_test::tiny_gpt(4); }
 
 // Micro-batch m of step `step` for data-parallel rank d: [mb, seq] tokens and next tokens.
 std::pair<at::Tensor, at::Tensor> data(int step, int m, int d, int64_t mb) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step * 100 + m * 10 + d);
-  at::Tensor t = at::randint(0, 64, {mb, 9}, gen, at::kLong);
-  return {t.narrow(1, 0, 8).contiguous(), t.narrow(1, 1, 8).contiguous()};
+  return ts_test::lm_batch(1000, step, m, d, mb);
 }
 
 nlohmann::json base_config(int micro, int gas, int stage) {

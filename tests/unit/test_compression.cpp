@@ -77,16 +77,7 @@ json weight_quant(const json& shared, const json& groups) {
   return {{"compression_training", {{"weight_quantization", {{"shared_parameters", s}, {"different_groups", groups}}}}}};
 }
 
-std::string errors_of(const json& j) {
-  try {
-    parse(j);
-  } catch (const ts::config::ConfigError& e) {
-    std::string all;
-    for (const auto& m : e.errors()) all += m + "\n";
-    return all;
-  }
-  return "";
-}
+std::string errors_of(const json& j) { return ts_test::config_errors([&] { parse(j); }); }
 
 }  // namespace
 

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 
+#include "test_util.h"
 #include "torchspeed/config/config.h"
 #include "torchspeed/config/json_reader.h"
 
@@ -26,14 +27,7 @@ WorldShape world(int n, int tp = 0, int pp = 0) {
 
 // All error messages of parsing `j`, joined; "" when it parses.
 std::string errors_of(const json& j, WorldShape w = world(1)) {
-  try {
-    Config::parse(j, w);
-    return "";
-  } catch (const ConfigError& e) {
-    std::string all;
-    for (const auto& m : e.errors()) all += m + "\n";
-    return all;
-  }
+  return ts_test::config_errors([&] { Config::parse(j, w); });
 }
 
 void expect_error(const json& j, const std::string& needle, WorldShape w = world(1)) {

@@ -31,16 +31,7 @@ json ltd(const json& over = json::object()) {
   r.update(over);
   return {{"train_batch_size", 4}, {"data_efficiency", {{"enabled", true}, {"data_routing", {{"enabled", true}, {"random_ltd", r}}}}}};
 }
-std::string errors_of(const json& j) {
-  try {
-    ts::config::Config::parse(j);
-  } catch (const ts::config::ConfigError& e) {
-    std::string all;
-    for (const auto& m : e.errors()) all += m + "\n";
-    return all;
-  }
-  return "";
-}
+std::string errors_of(const json& j) { return ts_test::config_errors([&] { ts::config::Config::parse(j); }); }
 }  // namespace
 
 TEST(RandomLtd, ScheduleIsDeepSpeedsFixedLinear) {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <string>
 
+#include "torchspeed/config/config.h"
 #include "torchspeed/runtime/error.h"
 
 namespace ts_test {
@@ -18,6 +19,18 @@ inline void expect_error(const std::function<void()>& fn, const std::string& nee
   } catch (const torchspeed::Error& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+// Every message of the ConfigError `parse` throws, one per line; "" when it parses.
+inline std::string config_errors(const std::function<void()>& parse) {
+  try {
+    parse();
+  } catch (const torchspeed::config::ConfigError& e) {
+    std::string all;
+    for (const auto& m : e.errors()) all += m + "\n";
+    return all;
+  }
+  return "";
 }
 
 }  // namespace ts_test
