@@ -30,6 +30,7 @@
 #include <mutex>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -377,6 +378,13 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   // {"formats": ["fp32"], "clients": [16], "peers": false, "tp2": false, "burst": false, "poisson": false,
   //  "quality": false, "server_args": ["--max-batched-tokens", "256"]}
   const nlohmann::json only = args.spec.empty() ? nlohmann::json::object() : nlohmann::json::parse(args.spec);
+  TS_CHECK(only.is_object(), "bench serve --spec: a JSON object, got ", only.dump());
+  for (const auto& [key, value] : only.items()) {
+    static const std::set<std::string> known{"formats", "clients", "peers", "tp2", "burst", "poisson", "quality", "server_args"};
+    TS_CHECK(known.count(key) > 0, "bench serve --spec: unknown key \"", key, "\" (known: formats, clients, peers, tp2, burst, poisson, quality, server_args)");
+  }
+  TS_CHECK(only.value("server_args", std::vector<std::string>{}).size() % 2 == 0,
+           "bench serve --spec: server_args must be flag-value pairs, got ", only["server_args"].dump());
   const bool want_peers = only.value("peers", true), want_tp2 = only.value("tp2", true), want_burst = only.value("burst", true);
   report.machine() = describe_machine(1);
   const std::string src = TORCHSPEED_SOURCE_DIR;

@@ -158,15 +158,19 @@ TS_BF16 void rows_over(const uint16_t* x, int64_t rows, int64_t Kp, int64_t K, c
 // Rows in groups whose rounded activations stay in L2 beside a block of weights.
 constexpr int64_t kRowGroup = 64;
 
+// One or two rows, one channel at a time (the weight bytes bound the time).
+template <class WT>
+TS_BF16 void few_rows(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K, const WT* w, int64_t o0, int64_t o1,
+                      float* y, int64_t N) {
+  for (int64_t o = o0; o < o1; ++o) {
+    if (rows == 2) tile<2, 1>(xb, Kp, K, w + o * K, y + o, N);
+    else tile<1, 1>(xb, Kp, K, w + o * K, y + o, N);
+  }
+}
+
 TS_BF16 void block(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K, const uint16_t* w, int64_t o0, int64_t o1,
                    float* y, int64_t N) {
-  if (rows <= 2) {
-    for (int64_t o = o0; o < o1; ++o) {
-      if (rows == 2) tile<2, 1>(xb, Kp, K, w + o * K, y + o, N);
-      else tile<1, 1>(xb, Kp, K, w + o * K, y + o, N);
-    }
-    return;
-  }
+  if (rows <= 2) return few_rows(xb, rows, Kp, K, w, o0, o1, y, N);
   for (int64_t g = 0; g < rows; g += kRowGroup) {
     const int64_t gr = std::min(kRowGroup, rows - g);
     int64_t o = o0;
@@ -183,10 +187,7 @@ TS_BF16 void block(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K, cons
 TS_BF16 void block_int8(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K, const int8_t* w, const float* scale,
                         int64_t o0, int64_t o1, float* y, int64_t N, std::vector<uint16_t>& wb) {
   if (rows <= 2) {
-    for (int64_t o = o0; o < o1; ++o) {
-      if (rows == 2) tile<2, 1>(xb, Kp, K, w + o * K, y + o, N);
-      else tile<1, 1>(xb, Kp, K, w + o * K, y + o, N);
-    }
+    few_rows(xb, rows, Kp, K, w, o0, o1, y, N);
   } else {
     wb.resize(static_cast<size_t>(4 * Kp));
     for (int64_t o = o0; o < o1;) {
