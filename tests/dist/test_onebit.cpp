@@ -2,10 +2,10 @@
 //  - the all-reduce against the algorithm written in plain tensor ops for every rank in this
 //    process (worker and server error feedback over two rounds), and its bytes against an fp32
 //    all-reduce's, as the communicator counts them;
-//  - training the fortunes GPT past the warm-up, fp32 and fp16: the loss stays within 5% of
-//    uncompressed Adam after the same steps, a compressed step sends at most 1/20 of the bytes of
-//    a warm-up step (1/15 in fp16, whose warm-up reduces 16-bit gradients), and every rank holds
-//    the same parameters.
+//  - training the fortunes GPT past the warm-up (the Adam family with a linearly decaying lr), fp32
+//    and fp16: the loss stays within 5% of uncompressed Adam after the same steps, a compressed
+//    step sends at most 1/20 of the bytes of a warm-up step (1/15 in fp16, whose warm-up reduces
+//    16-bit gradients), and every rank holds the same parameters.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -134,6 +134,19 @@ void check_training(const std::string& type, bool fp16) {
     nlohmann::json j = {{"train_micro_batch_size_per_gpu", 8},
                         {"gradient_clipping", 1.0},
                         {"optimizer", {{"type", type}, {"params", params}}}};
+    // The Adam family decays its lr linearly to 0 over the run, as DeepSpeed's 1-bit Adam recipes
+    // (BERT: WarmupDecayLR). At a constant lr the run is chaotic: the frozen variance has no bias
+    // correction (DeepSpeed's algorithm) and reaches 1.5% of its value in a 15-step warm-up, so
+    // elements with small gradients take steps ~8x Adam's; whether that diverges by step 60
+    // depended on the BLAS kernel's rounding (OpenBLAS SkylakeX/Cooperlake: fp16 loss 5.4 vs
+    // 3.3; Haswell: +0.5%) and on the rank count. Decayed, every (ranks 2-4, kernel) pair measured
+    // stays within 1.6% of Adam.
+    if (!lamb) {
+      j["scheduler"] = {{"type", "WarmupDecayLR"},
+                        {"params",
+                         {{"warmup_min_lr", 0}, {"warmup_max_lr", params["lr"]}, {"warmup_num_steps", 0},
+                          {"total_num_steps", steps}}}};
+    }
     if (fp16) j["fp16"] = {{"enabled", true}, {"initial_scale_power", 12}};  // as DeepSpeed's 1-bit examples
     const auto cfg = ts_test::parse_config(j);
     auto groups = ts_test::dp_groups();
