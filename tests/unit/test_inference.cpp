@@ -184,6 +184,34 @@ TEST(ServingLinear, CompactWeightsAndBatchInvariantRows) {
   EXPECT_EQ(ServingLinear(w, b, WeightFormat::kInt8).weight_bytes(), 70 * 45 + 70 * 4 + 70 * 4);
 }
 
+// forward_add adds bias and output into the residual inside the kernels, block by block; its
+// bits must be those of forward() followed by residual.add_(), in every path: the row kernel,
+// the GEMM for the rows past row_kernel_rows, and the bf16 dot products.
+TEST(ServingLinear, ForwardAddIsForwardThenAdd) {
+  torch::manual_seed(3);
+  // Two threads (the suite runs with one), so that the GEMM rows' residual adds are split.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  const at::Tensor w = at::randn({70, 45}), b = at::randn({70}), x = at::randn({40, 45}), res = at::randn({40, 70});
+  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8}) {
+    for (bool dot : {false, true}) {
+      const ServingLinear l(w, b, fmt, dot);
+      for (int64_t n : {1, 2, 3, 16, 40}) {
+        for (int64_t kernel_rows : {n, std::min<int64_t>(n, 3)}) {
+          const std::string what = std::string(weight_format_name(fmt)) + (dot ? " dot" : "") + " rows " +
+                                   std::to_string(n) + " kernel rows " + std::to_string(kernel_rows);
+          at::Tensor expected = res.narrow(0, 0, n).clone();
+          expected.add_(l.forward(x.narrow(0, 0, n), kernel_rows));
+          at::Tensor fused = res.narrow(0, 0, n).clone();
+          l.forward_add(x.narrow(0, 0, n), kernel_rows, fused);
+          EXPECT_TRUE(at::equal(fused, expected)) << what;
+        }
+      }
+    }
+  }
+  at::set_num_threads(threads);
+}
+
 TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
   torch::manual_seed(2);
   if (!have_bf16_dot()) {

@@ -4,7 +4,8 @@
 // shift) or int8 (sign extension; one scale per output channel after the dot product) to fp32
 // in registers and accumulates in fp32 with AVX-512 FMAs, threads splitting the output channels
 // in blocks of 64 whose weights stay in L2 while the rows pass over them. One or two rows go
-// one channel at a time (one weight stream: 41 GB/s here against 28 for four streams); more
+// one channel at a time (one weight stream: 41 GB/s here against 28 for four streams), asking
+// for the weights about 6 KB ahead (the hardware prefetcher alone left the stream waiting); more
 // go in tiles of 4 rows x 4 channels, so each weight vector serves 4 rows and each activation
 // vector 4 channels (102 GFLOP/s at 16 rows on 2 cores, MKL's sgemm 68). At 16 rows fp32
 // weights are still bound by their bytes: the same tiles over int8 weights (a quarter of the
@@ -22,8 +23,11 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include "torchspeed/inference/blocks.h"
 #include "torchspeed/inference/simd.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "torchspeed/inference/linear_bf16.h"
@@ -94,14 +98,26 @@ TS_AVX512 inline __m512 load_w(const int8_t* p, __mmask16 m) {
 // weight vector is widened once for the R rows, each x vector loaded once for the J channels.
 // Every (row, channel) pair has one accumulator running over k in order and one final
 // reduction, so its bits are the same whatever tile computed it.
-template <class WT, int R, int J>
+// `Ahead` > 0 (one or two rows, one channel): each step also requests the weights `Ahead`
+// channels further on, a cache line per 64 bytes read, as the bf16 tiles do (Note [bf16 dot
+// products]): one row's stream of fp32 weights 17 GB/s without, 19 with, the plain read 17-19.
+template <class WT, int R, int J, int Ahead = 0>
 TS_AVX512 void dot_tile_avx512(const float* x, int64_t K, const WT* w, float* out, int64_t ldo) {
   __m512 acc[R][J];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
   }
+  [[maybe_unused]] const char* ahead = reinterpret_cast<const char*>(w + Ahead * J * K);
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
+    if constexpr (Ahead > 0) {
+      constexpr int64_t step_bytes = J * 16 * static_cast<int64_t>(sizeof(WT));
+      if (step_bytes >= 64 || (k * static_cast<int64_t>(sizeof(WT))) % 64 == 0) {
+        for (int64_t b = 0; b < std::max<int64_t>(step_bytes, 64); b += 64) {
+          _mm_prefetch(ahead + k * J * static_cast<int64_t>(sizeof(WT)) + b, _MM_HINT_T0);
+        }
+      }
+    }
     __m512 wv[J];
     for (int j = 0; j < J; ++j) wv[j] = load_w(w + j * K + k, static_cast<__mmask16>(0xFFFF));
     for (int r = 0; r < R; ++r) {
@@ -206,46 +222,101 @@ TS_AVX512 void tile_rows(const float* x, int64_t rows, int64_t K, const WT* w, i
 }
 
 template <class WT>
-void rows_kernel_t(const float* x, int64_t rows, int64_t K, int64_t N, const WT* w, const float* scale, float* y) {
+void rows_kernel_t(const float* x, int64_t rows, int64_t K, int64_t N, const WT* w, const float* scale, float* y,
+                   const OutputStage& stage) {
   const bool avx = have_avx512();
-  const int threads = std::max(1, at::get_num_threads());
-  // Channel ranges in multiples of 64: a range's weights stay in L2 while every group of 4 rows
-  // passes over them, and each thread streams long runs of weight rows.
-  const int64_t block = 64;
-  const int64_t blocks = (N + block - 1) / block;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / (2 * threads)), [&](int64_t bb, int64_t be) {
-    for (int64_t blk = bb; blk < be; ++blk) {
-      const int64_t o0 = blk * block, o1 = std::min(N, o0 + block);
-      if (!avx) {
-        dot_tile_portable<WT>(x, rows, K, w + o0 * K, o1 - o0, y + o0, N);
-      } else if (rows <= 2) {
-        // One or two rows are bound by the weight bytes: one channel at a time streams best.
-        for (int64_t o = o0; o < o1; ++o) {
-          if (rows == 2) dot_tile_avx512<WT, 2, 1>(x, K, w + o * K, y + o, N);
-          else dot_tile_avx512<WT, 1, 1>(x, K, w + o * K, y + o, N);
-        }
-      } else {
-        tile_rows<WT>(x, rows, K, w, o0, o1, y, N);
+  // Channel blocks of 64: a block's weights stay in L2 while every group of 4 rows passes over
+  // them. One or two rows read each weight once and take blocks of 16, handed out as the
+  // threads ask (`dynamic_blocks`), so that the threads finish together.
+  const int64_t block = rows <= 2 ? 16 : 64;
+  dynamic_blocks((N + block - 1) / block, [&](int64_t blk) {
+    const int64_t o0 = blk * block, o1 = std::min(N, o0 + block);
+    if (!avx) {
+      dot_tile_portable<WT>(x, rows, K, w + o0 * K, o1 - o0, y + o0, N);
+    } else if (rows <= 2) {
+      // One or two rows are bound by the weight bytes: one channel at a time streams best.
+      constexpr int kAhead = 8 / sizeof(WT);  // channels: 2 fp32, 4 bf16, 8 int8 rows (6 KB at K 768)
+      for (int64_t o = o0; o < o1; ++o) {
+        if (rows == 2) dot_tile_avx512<WT, 2, 1, kAhead>(x, K, w + o * K, y + o, N);
+        else dot_tile_avx512<WT, 1, 1, kAhead>(x, K, w + o * K, y + o, N);
       }
-      if (scale) {
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t o = o0; o < o1; ++o) y[r * N + o] *= scale[o];
-        }
+    } else {
+      tile_rows<WT>(x, rows, K, w, o0, o1, y, N);
+    }
+    if (scale) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t o = o0; o < o1; ++o) y[r * N + o] *= scale[o];
       }
     }
+    stage.apply(y, rows, N, o0, o1);
   });
+}
+
+TS_AVX512 void layer_norm_row_avx512(const float* x, int64_t d, const float* w, const float* b, float eps, float* out) {
+  __m512 s = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= d; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(x + k));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (d - k)) - 1u);
+  if (k < d) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(tail, x + k));
+  const float mean = _mm512_reduce_add_ps(s) / static_cast<float>(d);
+  const __m512 mv = _mm512_set1_ps(mean);
+  __m512 q = _mm512_setzero_ps();
+  for (k = 0; k + 16 <= d; k += 16) {
+    const __m512 c = _mm512_sub_ps(_mm512_loadu_ps(x + k), mv);
+    q = _mm512_fmadd_ps(c, c, q);
+  }
+  if (k < d) {
+    const __m512 c = _mm512_maskz_sub_ps(tail, _mm512_maskz_loadu_ps(tail, x + k), mv);
+    q = _mm512_fmadd_ps(c, c, q);
+  }
+  const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(q) / static_cast<float>(d) + eps));
+  for (k = 0; k + 16 <= d; k += 16) {
+    const __m512 c = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + k), mv), rstd);
+    _mm512_storeu_ps(out + k, _mm512_fmadd_ps(c, _mm512_loadu_ps(w + k), _mm512_loadu_ps(b + k)));
+  }
+  if (k < d) {
+    const __m512 c = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + k), mv), rstd);
+    _mm512_mask_storeu_ps(out + k, tail, _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(tail, w + k), _mm512_maskz_loadu_ps(tail, b + k)));
+  }
+}
+
+void layer_norm_row_portable(const float* x, int64_t d, const float* w, const float* b, float eps, float* out) {
+  float s = 0.0f;
+  for (int64_t k = 0; k < d; ++k) s += x[k];
+  const float mean = s / static_cast<float>(d);
+  float q = 0.0f;
+  for (int64_t k = 0; k < d; ++k) q += (x[k] - mean) * (x[k] - mean);
+  const float rstd = 1.0f / std::sqrt(q / static_cast<float>(d) + eps);
+  for (int64_t k = 0; k < d; ++k) out[k] = (x[k] - mean) * rstd * w[k] + b[k];
 }
 
 }  // namespace
 
-void ServingLinear::rows_kernel(const float* x, int64_t rows, float* y) const {
+void layer_norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), d = x.size(1);
+  TS_INTERNAL_ASSERT(x.is_contiguous() && out.is_contiguous() && x.scalar_type() == at::kFloat &&
+                         out.scalar_type() == at::kFloat && out.sizes() == x.sizes() && w.numel() == d && b.numel() == d,
+                     "layer_norm_rows: x ", x.sizes(), ", out ", out.sizes());
+  const float* xp = x.data_ptr<float>();
+  const float *wp = w.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool avx = have_avx512();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (avx) layer_norm_row_avx512(xp + r * d, d, wp, bp, static_cast<float>(eps), op + r * d);
+      else layer_norm_row_portable(xp + r * d, d, wp, bp, static_cast<float>(eps), op + r * d);
+    }
+  });
+}
+
+void ServingLinear::rows_kernel(const float* x, int64_t rows, float* y, const OutputStage& stage) const {
   switch (format_) {
-    case WeightFormat::kFP32: rows_kernel_t(x, rows, in_, out_, w_.data_ptr<float>(), nullptr, y); break;
+    case WeightFormat::kFP32: rows_kernel_t(x, rows, in_, out_, w_.data_ptr<float>(), nullptr, y, stage); break;
     case WeightFormat::kBF16:
-      rows_kernel_t(x, rows, in_, out_, reinterpret_cast<const uint16_t*>(w_.data_ptr()), nullptr, y);
+      rows_kernel_t(x, rows, in_, out_, reinterpret_cast<const uint16_t*>(w_.data_ptr()), nullptr, y, stage);
       break;
     case WeightFormat::kInt8:
-      rows_kernel_t(x, rows, in_, out_, w_.data_ptr<int8_t>(), scale_.data_ptr<float>(), y);
+      rows_kernel_t(x, rows, in_, out_, w_.data_ptr<int8_t>(), scale_.data_ptr<float>(), y, stage);
       break;
   }
 }
@@ -254,28 +325,45 @@ void ServingLinear::add_bias(at::Tensor& y) const {
   if (bias_.defined()) y.add_(bias_);
 }
 
-at::Tensor ServingLinear::forward(const at::Tensor& x_in, int64_t row_kernel_rows, bool with_bias) const {
+at::Tensor ServingLinear::forward(const at::Tensor& x, int64_t row_kernel_rows, bool add_bias) const {
+  return run(x, row_kernel_rows, add_bias, nullptr);
+}
+
+void ServingLinear::forward_add(const at::Tensor& x, int64_t row_kernel_rows, at::Tensor& residual) const {
+  TS_INTERNAL_ASSERT(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.dim() == 2 &&
+                         residual.size(0) == x.size(0) && residual.size(1) == out_,
+                     "serving linear: residual must be contiguous fp32 [", x.size(0), ", ", out_, "], got ",
+                     residual.sizes());
+  run(x, row_kernel_rows, true, residual.data_ptr<float>());
+}
+
+at::Tensor ServingLinear::run(const at::Tensor& x_in, int64_t row_kernel_rows, bool with_bias, float* residual) const {
   TS_INTERNAL_ASSERT(x_in.dim() == 2 && x_in.size(1) == in_, "serving linear expects [rows, ", in_, "], got ",
                      x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, out_}, x.options());
+  const OutputStage stage{with_bias && bias_.defined() ? bias_.data_ptr<float>() : nullptr, residual};
   if (bf16_dot_) {  // every row, prompt chunks too: see Note [bf16 dot products]
     if (format_ == WeightFormat::kInt8) {
-      int8_bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, w_.data_ptr<int8_t>(), scale_.data_ptr<float>(), y.data_ptr<float>());
+      int8_bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, w_.data_ptr<int8_t>(), scale_.data_ptr<float>(),
+                         y.data_ptr<float>(), stage);
     } else {
-      bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, reinterpret_cast<const uint16_t*>(w_.data_ptr()), y.data_ptr<float>());
+      bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, reinterpret_cast<const uint16_t*>(w_.data_ptr()),
+                    y.data_ptr<float>(), stage);
     }
-    if (with_bias) add_bias(y);
     return y;
   }
   const int64_t kr = M <= kRowKernelMaxRows ? M : std::min(std::max<int64_t>(row_kernel_rows, 0), M);
-  if (kr > 0) rows_kernel(x.data_ptr<float>(), kr, y.data_ptr<float>());
+  if (kr > 0) rows_kernel(x.data_ptr<float>(), kr, y.data_ptr<float>(), stage);
   if (kr < M) {
     at::Tensor yr = y.narrow(0, kr, M - kr);
     at::mm_out(yr, x.narrow(0, kr, M - kr), dense_weight().t());
+    at::parallel_for(0, M - kr, 16, [&](int64_t b, int64_t e) {
+      const OutputStage rest{stage.bias, residual ? residual + (kr + b) * out_ : nullptr};
+      rest.apply(yr.data_ptr<float>() + b * out_, e - b, out_, 0, out_);
+    });
   }
-  if (with_bias) add_bias(y);
   return y;
 }
 

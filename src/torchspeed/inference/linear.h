@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "torchspeed/inference/linear_bf16.h"
+
 namespace torchspeed::inference {
 
 enum class WeightFormat { kFP32, kBF16, kInt8 };
@@ -28,6 +30,9 @@ class ServingLinear {
   // Rows [0, row_kernel_rows) always go through the row kernel, so each of them gets the same
   // bits whatever else is in the batch; the rest use a GEMM when there are many of them.
   at::Tensor forward(const at::Tensor& x, int64_t row_kernel_rows, bool add_bias = true) const;
+  // residual [rows, out] fp32 contiguous += forward(x, row_kernel_rows), bias included, added
+  // block by block inside the kernel: the bits of forward followed by residual.add_().
+  void forward_add(const at::Tensor& x, int64_t row_kernel_rows, at::Tensor& residual) const;
   void add_bias(at::Tensor& y) const;
 
   int64_t in_features() const { return in_; }
@@ -39,7 +44,8 @@ class ServingLinear {
   at::Tensor dense_weight() const;
 
  private:
-  void rows_kernel(const float* x, int64_t rows, float* y) const;
+  at::Tensor run(const at::Tensor& x, int64_t row_kernel_rows, bool with_bias, float* residual) const;
+  void rows_kernel(const float* x, int64_t rows, float* y, const OutputStage& stage) const;
   WeightFormat format_ = WeightFormat::kFP32;
   bool bf16_dot_ = false;
   int64_t in_ = 0, out_ = 0;
@@ -47,6 +53,11 @@ class ServingLinear {
   at::Tensor scale_;  // [out] fp32, kInt8 only
   at::Tensor bias_;   // [out] fp32 or undefined
 };
+
+// out [rows, d] = layer norm of each row of x [rows, d] (fp32, contiguous; biased variance, as
+// at::layer_norm, rounded in its own order), times w plus b. Each row is computed alone, the
+// same way in any batch.
+void layer_norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps, at::Tensor& out);
 
 // Rows up to this count go through the row kernel; more use dequantize + GEMM (prefill).
 constexpr int64_t kRowKernelMaxRows = 32;

@@ -6,14 +6,36 @@
 
 namespace torchspeed::inference {
 
+// What a serving linear does to a block of its output [rows, N] x channels [o0, o1) while the
+// block is in cache: y[r, o] += bias[o], then residual[r, o] += y[r, o]. The bits are those of
+// y.add_(bias) followed by residual.add_(y), one rounding each, for every row alike.
+struct OutputStage {
+  const float* bias = nullptr;  // [N], or none
+  float* residual = nullptr;    // [rows, N], or none
+  void apply(float* y, int64_t rows, int64_t N, int64_t o0, int64_t o1) const {
+    if (bias) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t o = o0; o < o1; ++o) y[r * N + o] += bias[o];
+      }
+    }
+    if (residual) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t o = o0; o < o1; ++o) residual[r * N + o] += y[r * N + o];
+      }
+    }
+  }
+};
+
 // Whether this CPU has AVX512-BF16 (VDPBF16PS).
 bool have_bf16_dot();
 
 // y[r, o] = sum_k bf16(x[r, k]) * w[o, k] in fp32, x [rows, K] fp32, w [N, K] bf16 bits, y
-// [rows, N] fp32. Requires have_bf16_dot().
-void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint16_t* w, float* y);
+// [rows, N] fp32, then `stage`. Requires have_bf16_dot().
+void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint16_t* w, float* y,
+                   const OutputStage& stage = {});
 // The same with int8 weights (exact in bf16) and one fp32 scale per output channel:
 // y[r, o] = scale[o] * sum_k bf16(x[r, k]) * w[o, k].
-void int8_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const int8_t* w, const float* scale, float* y);
+void int8_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const int8_t* w, const float* scale, float* y,
+                        const OutputStage& stage = {});
 
 }  // namespace torchspeed::inference

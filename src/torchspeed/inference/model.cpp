@@ -4,9 +4,11 @@
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 
 #include "torchspeed/inference/attention.h"
+#include "torchspeed/inference/linear.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/tensor_parallel/layers.h"
 
@@ -45,6 +47,33 @@ StepPlan StepPlan::deserialize(const std::vector<int64_t>& f) {
 }
 
 namespace {
+// Keys and values of the step's rows (columns [dl, 3 dl) of qkv) into their cache slots, as
+// index_copy_ of qkv's slices converted to the cache's dtype would write them (bf16: round to
+// nearest even).
+void write_kv(const at::Tensor& qkv, int64_t dl, const std::vector<int64_t>& slots, at::Tensor& kc, at::Tensor& vc) {
+  const float* src = qkv.data_ptr<float>();
+  const int64_t ld = qkv.size(1), n = static_cast<int64_t>(slots.size());
+  TS_INTERNAL_ASSERT(qkv.is_contiguous() && qkv.size(0) == n && kc.is_contiguous() && vc.is_contiguous(),
+                     "write_kv: qkv ", qkv.sizes(), " for ", n, " slots");
+  if (kc.scalar_type() == at::kFloat) {
+    float *k = kc.data_ptr<float>(), *v = vc.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      std::memcpy(k + slots[r] * dl, src + r * ld + dl, sizeof(float) * dl);
+      std::memcpy(v + slots[r] * dl, src + r * ld + 2 * dl, sizeof(float) * dl);
+    }
+    return;
+  }
+  TS_INTERNAL_ASSERT(kc.scalar_type() == at::kBFloat16, "KV cache dtype ", kc.scalar_type());
+  auto *k = kc.data_ptr<at::BFloat16>(), *v = vc.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = src + r * ld;
+    for (int64_t c = 0; c < dl; ++c) {
+      k[slots[r] * dl + c] = at::BFloat16(row[dl + c]);
+      v[slots[r] * dl + c] = at::BFloat16(row[2 * dl + c]);
+    }
+  }
+}
+
 struct Params {
   std::map<std::string, at::Tensor> by_name;
   std::string source;
@@ -168,30 +197,38 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
   const int64_t N = static_cast<int64_t>(toks.size()), d = cfg_.d_model, dl = heads_ * hd_;
   const double eps = cfg_.layer_norm_eps;
   const at::Tensor tok_t = at::tensor(toks, at::kLong), pos_t = at::tensor(pos, at::kLong);
-  const at::Tensor slot_t = at::tensor(slots, at::kLong);
   at::Tensor x = tok_.index_select(0, tok_t).add_(pos_.index_select(0, pos_t));  // [N, d]
+  // Per layer, besides the kernels: the layer norms (our row kernel), the cache writes and the
+  // bias and residual adds (inside the linear kernels) are no separate ATen ops, which at batch
+  // 1 cost about as much as a quarter of the weights' bytes.
+  at::Tensor h = at::empty({N, d}, x.options());
+  at::Tensor y = at::empty({N, heads_, hd_}, x.options());
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
-    at::Tensor h = at::layer_norm(x, {d}, L.ln1_w, L.ln1_b, eps);
-    at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, 3 dl]
-    at::Tensor q = qkv.narrow(1, 0, dl).reshape({N, heads_, hd_}).contiguous();
-    cache.keys(l).index_copy_(0, slot_t, qkv.narrow(1, dl, dl).reshape({N, heads_, hd_}).to(cache.dtype()));
-    cache.values(l).index_copy_(0, slot_t, qkv.narrow(1, 2 * dl, dl).reshape({N, heads_, hd_}).to(cache.dtype()));
-    at::Tensor y = at::empty({N, heads_, hd_}, x.options());
+    layer_norm_rows(x, L.ln1_w, L.ln1_b, eps, h);
+    const at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, 3 dl]
+    const at::Tensor q = qkv.narrow(1, 0, dl).view({N, heads_, hd_});  // rows 3 dl apart
+    write_kv(qkv, dl, slots, cache.keys(l), cache.values(l));
     attention(plan, l, q, cache, ctx, y);
-    at::Tensor a = L.proj.forward(y.view({N, dl}), decode_rows, /*add_bias=*/!tp_);
     if (tp_) {
+      at::Tensor a = L.proj.forward(y.view({N, dl}), decode_rows, /*add_bias=*/false);
       tp_->all_reduce(a);
       L.proj.add_bias(a);
+      x.add_(a);
+    } else {
+      L.proj.forward_add(y.view({N, dl}), decode_rows, x);
     }
-    x.add_(a);
-    at::Tensor f = at::gelu(L.fc.forward(at::layer_norm(x, {d}, L.ln2_w, L.ln2_b, eps), decode_rows), cfg_.gelu_approximate());
-    at::Tensor m = L.mlp.forward(f, decode_rows, !tp_);
+    layer_norm_rows(x, L.ln2_w, L.ln2_b, eps, h);
+    at::Tensor f = L.fc.forward(h, decode_rows);
+    at::gelu_(f, cfg_.gelu_approximate());
     if (tp_) {
+      at::Tensor m = L.mlp.forward(f, decode_rows, /*add_bias=*/false);
       tp_->all_reduce(m);
       L.mlp.add_bias(m);
+      x.add_(m);
+    } else {
+      L.mlp.forward_add(f, decode_rows, x);
     }
-    x.add_(m);
   }
   at::Tensor hf = at::layer_norm(x.index_select(0, at::tensor(logit_rows, at::kLong)), {d}, lnf_w_, lnf_b_, eps);
   return head_.forward(hf, decode_logit_rows);
