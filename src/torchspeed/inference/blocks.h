@@ -11,6 +11,11 @@
 
 namespace torchspeed::inference {
 
+// Output channels per block: 64 keep a block's weights in L2 while every group of 4 rows passes
+// over them; one or two rows read each weight once and take blocks of 16, so that the threads
+// (`dynamic_blocks`) finish together.
+inline int64_t channel_block(int64_t rows) { return rows <= 2 ? 16 : 64; }
+
 // run(b) for every b in [0, n). Each thread owns a contiguous range of blocks and runs them in
 // order (one weight stream, which the prefetchers follow), then takes what is left of the other
 // threads' ranges, one block at a time. A decode step's linears are bound by memory bandwidth,

@@ -113,9 +113,7 @@ TS_AVX512 void dot_tile_avx512(const float* x, int64_t K, const WT* w, float* ou
     if constexpr (Ahead > 0) {
       constexpr int64_t step_bytes = J * 16 * static_cast<int64_t>(sizeof(WT));
       if (step_bytes >= 64 || (k * static_cast<int64_t>(sizeof(WT))) % 64 == 0) {
-        for (int64_t b = 0; b < std::max<int64_t>(step_bytes, 64); b += 64) {
-          _mm_prefetch(ahead + k * J * static_cast<int64_t>(sizeof(WT)) + b, _MM_HINT_T0);
-        }
+        simd::prefetch_lines(ahead + k * J * static_cast<int64_t>(sizeof(WT)), step_bytes);
       }
     }
     __m512 wv[J];
@@ -225,10 +223,7 @@ template <class WT>
 void rows_kernel_t(const float* x, int64_t rows, int64_t K, int64_t N, const WT* w, const float* scale, float* y,
                    const OutputStage& stage) {
   const bool avx = have_avx512();
-  // Channel blocks of 64: a block's weights stay in L2 while every group of 4 rows passes over
-  // them. One or two rows read each weight once and take blocks of 16, handed out as the
-  // threads ask (`dynamic_blocks`), so that the threads finish together.
-  const int64_t block = rows <= 2 ? 16 : 64;
+  const int64_t block = channel_block(rows);
   dynamic_blocks((N + block - 1) / block, [&](int64_t blk) {
     const int64_t o0 = blk * block, o1 = std::min(N, o0 + block);
     if (!avx) {

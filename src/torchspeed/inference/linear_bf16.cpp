@@ -7,8 +7,8 @@
 // serving applies everywhere (transformers in bf16 also rounds every output and the residual).
 // The tiles are those of Note [Serving linear kernels], except that one or two rows go four
 // channels at a time (one channel's accumulator is a chain of dependent VDPBF16PS, four run
-// side by side) and request the weights two tiles ahead; more rows go in 4 x 4 tiles; every (row, channel) one accumulator over k in order and one reduction,
-// so a row gets the same bits alone, batched, or inside a prompt chunk of any length; prompt
+// side by side) and request the weights about 6 KB ahead; more rows go in 4 x 4 tiles. Every
+// (row, channel) is one accumulator over k in order and one reduction, so a row gets the same bits alone, batched, or inside a prompt chunk of any length; prompt
 // chunks use the same kernel (it outruns oneDNN's bf16 GEMM with its fp32 output here, see
 // `torchspeed bench serve`), so chunking does not change a token either.
 // int8 weights (one scale per output channel) go through the same tiles: an integer in
@@ -90,7 +90,7 @@ TS_BF16 void tile(const uint16_t* x, int64_t Kp, int64_t K, const WT* w, float* 
   for (; k + 32 <= K; k += 32) {
     if constexpr (Ahead > 0) {
       constexpr int64_t step_bytes = J * 32 * static_cast<int64_t>(sizeof(WT));
-      for (int64_t b = 0; b < step_bytes; b += 64) _mm_prefetch(ahead + k * J * static_cast<int64_t>(sizeof(WT)) + b, _MM_HINT_T0);
+      simd::prefetch_lines(ahead + k * J * static_cast<int64_t>(sizeof(WT)), step_bytes);
     }
     __m512bh wv[J];
     for (int j = 0; j < J; ++j) wv[j] = load_bh(w + j * K + k);
@@ -242,9 +242,8 @@ TS_BF16 void block_int8(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K,
 
 namespace {
 // Rounds each row to bf16 once (zero-padded to a multiple of 32), then hands the threads blocks
-// of output channels as they ask for them (`dynamic_blocks`): run(xb, Kp, o0, o1). Blocks of 64
-// channels keep a block's weights in L2 while groups of rows pass over them; one or two rows
-// read each weight once, and take blocks of 16 so that the threads finish together.
+// of output channels (`channel_block`) as they ask for them (`dynamic_blocks`):
+// run(xb, Kp, o0, o1).
 template <class F>
 void over_channel_blocks(const float* x, int64_t rows, int64_t K, int64_t N, const F& run) {
   TS_INTERNAL_ASSERT(have_bf16_dot(), "bf16 dot products need AVX512-BF16");
@@ -254,7 +253,7 @@ void over_channel_blocks(const float* x, int64_t rows, int64_t K, int64_t N, con
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) round_row(x + r * K, K, Kp, xb.data() + r * Kp);
   });
-  const int64_t blk = rows <= 2 ? 16 : 64;
+  const int64_t blk = channel_block(rows);
   dynamic_blocks((N + blk - 1) / blk, [&](int64_t b) { run(xb.data(), Kp, b * blk, std::min(N, (b + 1) * blk)); });
 }
 }  // namespace
