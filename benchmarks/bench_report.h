@@ -65,5 +65,6 @@ int run_offload(const BenchArgs& args, const std::string& self);
 int run_offload_part(const BenchArgs& args);
 // `self`: this executable, run as `serve` in child processes.
 int run_serve(const BenchArgs& args, const std::string& self);
+int run_linear(const BenchArgs& args);
 
 }  // namespace torchspeed::bench

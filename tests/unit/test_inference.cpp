@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include <limits>
 #include <map>
 
 #include "test_util.h"
@@ -194,11 +195,12 @@ TEST(ServingLinear, ForwardAddIsForwardThenAdd) {
   at::set_num_threads(2);
   const at::Tensor w = at::randn({70, 45}), b = at::randn({70}), x = at::randn({40, 45}), res = at::randn({40, 70});
   for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8}) {
-    for (bool dot : {false, true}) {
-      const ServingLinear l(w, b, fmt, dot);
+    for (int kernel = 0; kernel < 3; ++kernel) {  // widened weights, VDPBF16PS, AMX (where present)
+      const bool dot = kernel > 0;
+      const ServingLinear l(w, b, fmt, dot, kernel == 2);
       for (int64_t n : {1, 2, 3, 16, 40}) {
         for (int64_t kernel_rows : {n, std::min<int64_t>(n, 3)}) {
-          const std::string what = std::string(weight_format_name(fmt)) + (dot ? " dot" : "") + " rows " +
+          const std::string what = std::string(weight_format_name(fmt)) + " kernel " + std::to_string(kernel) + " rows " +
                                    std::to_string(n) + " kernel rows " + std::to_string(kernel_rows);
           at::Tensor expected = res.narrow(0, 0, n).clone();
           expected.add_(l.forward(x.narrow(0, 0, n), kernel_rows));
@@ -219,32 +221,55 @@ TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
     const at::Tensor w = at::randn({70, 45}), b = at::randn({70}), x = at::randn({5, 45});
     ServingLinear l(w, b, WeightFormat::kBF16, /*bf16_dot=*/true);
     EXPECT_FALSE(l.bf16_dot());
+    EXPECT_FALSE(l.amx());
     EXPECT_TRUE(at::equal(l.forward(x, 5), ServingLinear(w, b, WeightFormat::kBF16, false).forward(x, 5)));
     return;
   }
-  for (WeightFormat fmt : {WeightFormat::kBF16, WeightFormat::kInt8}) {
-    for (int64_t K : {45, 64, 200}) {  // a masked tail, whole steps of 32, both
-      const std::string what = std::string(weight_format_name(fmt)) + " K " + std::to_string(K);
-      const at::Tensor w = at::randn({70, K}), b = at::randn({70}), x = at::randn({40, K});
-      ServingLinear l(w, b, fmt, /*bf16_dot=*/true);
-      ASSERT_TRUE(l.bf16_dot());
-      EXPECT_FALSE(ServingLinear(w, b, WeightFormat::kFP32, true).bf16_dot());
-      // Exact products of the rounded input and the stored weight (bf16, or int8 times its
-      // channel's scale), summed in fp32.
-      const at::Tensor wd = fmt == WeightFormat::kBF16 ? w.to(at::kBFloat16).to(at::kDouble) : l.dense_weight().to(at::kDouble);
-      const at::Tensor ref = at::matmul(x.to(at::kBFloat16).to(at::kDouble), wd.t()) + b.to(at::kDouble);
-      const at::Tensor y = l.forward(x, 0);
-      EXPECT_LT((y.to(at::kDouble) - ref).abs().max().item<double>(), 2e-5 * std::sqrt(static_cast<double>(K))) << what;
-      EXPECT_EQ(l.forward(x.narrow(0, 0, 0), 0).sizes(), (std::vector<int64_t>{0, 70}));  // no rows
-      // One kernel for every row count: a row's bits are the same alone, among 2, 3, 16 or 40.
-      for (int64_t r : {0, 1, 2, 13, 39}) {
-        const at::Tensor alone = l.forward(x.narrow(0, r, 1), 1)[0];
-        EXPECT_TRUE(at::equal(alone, y[r])) << what << " row " << r;
-        for (int64_t n : {2, 3, 16}) {
-          if (r < n) {
-            EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, n), n)[r])) << what << " row " << r << " of " << n;
+  // VDPBF16PS everywhere; AMX tiles where the CPU has them (Note [AMX tiles]).
+  for (bool amx : {false, true}) {
+    if (amx && !have_amx()) continue;
+    for (WeightFormat fmt : {WeightFormat::kBF16, WeightFormat::kInt8}) {
+      for (int64_t K : {45, 64, 200}) {  // a masked tail, whole steps of 32 (and of AMX's 64), both
+        const std::string what = std::string(weight_format_name(fmt)) + (amx ? " amx" : " dot") + " K " + std::to_string(K);
+        const at::Tensor w = at::randn({70, K}), b = at::randn({70}), x = at::randn({40, K});
+        ServingLinear l(w, b, fmt, /*bf16_dot=*/true, amx);
+        ASSERT_TRUE(l.bf16_dot());
+        ASSERT_EQ(l.amx(), amx);
+        EXPECT_FALSE(ServingLinear(w, b, WeightFormat::kFP32, true).bf16_dot());
+        // The input as the kernel rounds it: bf16, or with int8 weights on AMX, 16-bit fixed
+        // point per row (q = round(x * (32767 / max|x|)), times max|x| / 32767).
+        at::Tensor xin = x.to(at::kBFloat16).to(at::kDouble);
+        if (amx && fmt == WeightFormat::kInt8) {
+          const at::Tensor m = x.abs().amax(1, true);
+          const at::Tensor q = (x * (at::full_like(m, 32767.0f) / m)).round();
+          EXPECT_EQ(q.abs().max().item<float>(), 32767.0f);
+          xin = q.to(at::kDouble) * (m / 32767.0f).to(at::kDouble);
+        }
+        // Exact products of that input and the stored weight (bf16, or int8 times its channel's
+        // scale), summed without rounding: the kernels add in fp32 (or exactly, in integers).
+        const at::Tensor wd = fmt == WeightFormat::kBF16 ? w.to(at::kBFloat16).to(at::kDouble) : l.dense_weight().to(at::kDouble);
+        const at::Tensor ref = at::matmul(xin, wd.t()) + b.to(at::kDouble);
+        const at::Tensor y = l.forward(x, 0);
+        EXPECT_LT((y.to(at::kDouble) - ref).abs().max().item<double>(), 2e-5 * std::sqrt(static_cast<double>(K))) << what;
+        EXPECT_EQ(l.forward(x.narrow(0, 0, 0), 0).sizes(), (std::vector<int64_t>{0, 70}));  // no rows
+        // One kernel for every row count: a row's bits are the same alone, among 2, 3, 16, 17 or 40.
+        for (int64_t r : {0, 1, 2, 13, 16, 39}) {
+          const at::Tensor alone = l.forward(x.narrow(0, r, 1), 1)[0];
+          EXPECT_TRUE(at::equal(alone, y[r])) << what << " row " << r;
+          for (int64_t n : {2, 3, 16, 17}) {
+            if (r < n) {
+              EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, n), n)[r])) << what << " row " << r << " of " << n;
+            }
           }
         }
+        // A row of zeros gives the bias; a row holding inf gives NaN or inf, and only there.
+        at::Tensor odd = x.narrow(0, 0, 3).clone();
+        odd[0].zero_();
+        odd[1][K / 2] = std::numeric_limits<float>::infinity();
+        const at::Tensor yo = l.forward(odd, 3);
+        EXPECT_TRUE(at::equal(yo[0], b)) << what;
+        EXPECT_FALSE(at::isfinite(yo[1]).any().item<bool>()) << what;
+        EXPECT_TRUE(at::equal(yo[2], y[2])) << what;
       }
     }
   }

@@ -12,7 +12,7 @@
 namespace torchspeed::cli {
 
 Runner add_bench(CLI::App& app, const Invocation& inv) {
-  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm, adam, memory, overlap, train, checkpoint, pipeline, tp, serve, offload");
+  auto* cmd = app.add_subcommand("bench", "Run a benchmark: comm, adam, memory, overlap, train, checkpoint, pipeline, tp, serve, offload, linear");
   struct Opts {
     std::string name;
     int ranks = 0;  // 0: the benchmark's own rank count
@@ -20,7 +20,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     bool engine_part = false;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm", "adam", "memory", "overlap", "train", "checkpoint", "pipeline", "tp", "serve", "offload"}));
+  cmd->add_option("name", o->name, "Benchmark")->required()->check(CLI::IsMember({"comm", "adam", "memory", "overlap", "train", "checkpoint", "pipeline", "tp", "serve", "offload", "linear"}));
   cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun")->check(CLI::Range(1, 1024));
   cmd->add_option("--json", o->args.json_path, "Write the results as JSON to FILE");
   cmd->add_flag("--quick", o->args.quick, "Fewer sizes and repetitions (smoke run)");
@@ -35,7 +35,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     if (o->name == "offload" && !o->engine_part) return bench::run_offload(o->args, inv.self_path);  // runs its parts
     if (o->name == "train" && !o->engine_part) return bench::run_train(o->args, inv.self_path);  // launches its ranks
     if (o->name == "serve") return bench::run_serve(o->args, inv.self_path);  // starts its servers
-    if (o->ranks == 0) o->ranks = o->name == "memory" || o->name == "tp" ? 4 : o->name == "adam" || o->name == "offload" ? 1 : 2;
+    if (o->ranks == 0) o->ranks = o->name == "memory" || o->name == "tp" ? 4 : o->name == "adam" || o->name == "offload" || o->name == "linear" ? 1 : 2;
     if (!launcher::under_launcher() && o->ranks > 1) {
       launcher::LaunchOptions lo;
       lo.num_ranks = o->ranks;
@@ -53,6 +53,7 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     if (o->name == "checkpoint") rc = bench::run_checkpoint(o->args);
     if (o->name == "pipeline") rc = bench::run_pipeline(o->args);
     if (o->name == "tp") rc = bench::run_tp(o->args);
+    if (o->name == "linear") rc = bench::run_linear(o->args);
     if (o->name == "train") rc = bench::run_train_engine_part(o->args);
     if (o->name == "offload") rc = bench::run_offload_part(o->args);
     shutdown();

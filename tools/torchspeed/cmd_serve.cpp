@@ -72,7 +72,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--served-model-name", o->model_name, "The model id clients send (default: the checkpoint's folder name)");
   cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16 or int8 (weight-only, per-channel scales)")->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   cmd->add_flag("!--no-bf16-dot", o->bf16_dot,
-                "With bf16 or int8 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16; each linear's input rounded to bf16)");
+                "With bf16 or int8 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16) or AMX tiles (each linear's input rounded to bf16, or with int8 weights on AMX to 16-bit fixed point)");
   cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank")->check(CLI::Range(0.01, 1e7));
   cmd->add_option("--kv-cache-dtype", o->kv_dtype, "KV cache dtype: auto (fp32 with fp32 weights, else bf16), fp32 or bf16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
@@ -155,7 +155,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     server.set_engine(&engine);
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights%s, tp %d, tokenizer %s), context %lld, KV cache %.0f MB %s (%lld blocks of %lld tokens)\n",
-                load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), model->bf16_dot() ? " with bf16 dot products" : "", o->tp, eo.tokenizer()->source().c_str(),
+                load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), model->amx() ? " on AMX tiles" : model->bf16_dot() ? " with bf16 dot products" : "", o->tp, eo.tokenizer()->source().c_str(),
                 static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0, eo.kv().dtype() == at::kBFloat16 ? "bf16" : "fp32",
                 static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
     std::fflush(stdout);

@@ -52,9 +52,10 @@ const char* weight_format_name(WeightFormat f) {
   return "?";
 }
 
-ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot)
-    : format_(format), bf16_dot_(bf16_dot && format != WeightFormat::kFP32 && have_bf16_dot()), in_(weight.size(1)),
-      out_(weight.size(0)) {
+ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot,
+                             bool amx)
+    : format_(format), bf16_dot_(bf16_dot && format != WeightFormat::kFP32 && have_bf16_dot()),
+      amx_(bf16_dot_ && amx && have_amx()), in_(weight.size(1)), out_(weight.size(0)) {
   TS_CHECK(weight.dim() == 2, "a linear weight must be 2-D, got ", weight.sizes());
   at::Tensor w = weight.detach().to(at::kFloat).contiguous();
   switch (format) {
@@ -66,6 +67,7 @@ ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, W
       break;
     }
   }
+  if (amx_) w_ = amx_pack(w_);
   if (bias.defined()) bias_ = bias.detach().to(at::kFloat).contiguous().clone();
 }
 
@@ -74,12 +76,13 @@ int64_t ServingLinear::weight_bytes() const {
 }
 
 at::Tensor ServingLinear::dense_weight() const {
+  const at::Tensor w = amx_ ? amx_unpack(w_, out_, in_) : w_;
   switch (format_) {
-    case WeightFormat::kFP32: return w_;
-    case WeightFormat::kBF16: return w_.to(at::kFloat);
-    case WeightFormat::kInt8: return w_.to(at::kFloat) * scale_.unsqueeze(1);
+    case WeightFormat::kFP32: return w;
+    case WeightFormat::kBF16: return w.to(at::kFloat);
+    case WeightFormat::kInt8: return w.to(at::kFloat) * scale_.unsqueeze(1);
   }
-  return w_;
+  return w;
 }
 
 namespace {
@@ -339,6 +342,11 @@ at::Tensor ServingLinear::run(const at::Tensor& x_in, int64_t row_kernel_rows, b
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, out_}, x.options());
   const OutputStage stage{with_bias && bias_.defined() ? bias_.data_ptr<float>() : nullptr, residual};
+  if (amx_) {  // every row, prompt chunks too: see Note [AMX tiles]
+    amx_dot_rows(x.data_ptr<float>(), M, in_, out_, w_, format_ == WeightFormat::kInt8 ? scale_.data_ptr<float>() : nullptr,
+                 y.data_ptr<float>(), stage);
+    return y;
+  }
   if (bf16_dot_) {  // every row, prompt chunks too: see Note [bf16 dot products]
     if (format_ == WeightFormat::kInt8) {
       int8_bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, w_.data_ptr<int8_t>(), scale_.data_ptr<float>(),

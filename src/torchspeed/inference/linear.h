@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "torchspeed/inference/linear_amx.h"
 #include "torchspeed/inference/linear_bf16.h"
 
 namespace torchspeed::inference {
@@ -23,8 +24,11 @@ class ServingLinear {
   // weight [out, in] (any floating dtype), bias [out] or undefined. `bf16_dot`: with bf16 or
   // int8 weights on a CPU with AVX512-BF16, round each input row to bf16 and multiply with bf16
   // dot products (int8 values are exact in bf16; fp32 accumulation and output; Note [bf16 dot
-  // products]); elsewhere, or false, widen the weights to fp32.
-  ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot = false);
+  // products]); elsewhere, or false, widen the weights to fp32. `amx`: with bf16 dot products on a
+  // CPU with AMX-BF16, store the weights in tile order and multiply on AMX tiles (Note [AMX
+  // tiles]; the same rounding, other bits); false keeps the dot products.
+  ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot = false,
+                bool amx = true);
 
   // x [rows, in] fp32 contiguous -> [rows, out] fp32, bias added unless `add_bias` is false.
   // Rows [0, row_kernel_rows) always go through the row kernel, so each of them gets the same
@@ -40,6 +44,7 @@ class ServingLinear {
   int64_t weight_bytes() const;  // bytes read per pass over the weights (with scales)
   WeightFormat format() const { return format_; }
   bool bf16_dot() const { return bf16_dot_; }
+  bool amx() const { return amx_; }
   // The weight as fp32 (dequantized), [out, in].
   at::Tensor dense_weight() const;
 
@@ -48,8 +53,9 @@ class ServingLinear {
   void rows_kernel(const float* x, int64_t rows, float* y, const OutputStage& stage) const;
   WeightFormat format_ = WeightFormat::kFP32;
   bool bf16_dot_ = false;
+  bool amx_ = false;
   int64_t in_ = 0, out_ = 0;
-  at::Tensor w_;      // [out, in] in the storage dtype (int8 for kInt8)
+  at::Tensor w_;      // [out, in] in the storage dtype (int8 for kInt8); amx_pack's order with amx_
   at::Tensor scale_;  // [out] fp32, kInt8 only
   at::Tensor bias_;   // [out] fp32 or undefined
 };

@@ -63,12 +63,7 @@ TS_BF16 inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m
 TS_BF16 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, p));
 }
-// 32 int8 weights as bf16: every integer in [-127, 127] is exact in bf16's 8-bit significand.
-TS_BF16 inline __m512bh int8_to_bh(__m256i b) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // lo in lanes 0-15, hi in 16-31: the order of k
-}
+using simd::int8_to_bh;
 TS_BF16 inline __m512bh load_bh(const int8_t* p) { return int8_to_bh(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 TS_BF16 inline __m512bh load_bh(const int8_t* p, __mmask32 m) { return int8_to_bh(_mm256_maskz_loadu_epi8(m, p)); }
 
@@ -240,6 +235,12 @@ TS_BF16 void block_int8(const uint16_t* xb, int64_t rows, int64_t Kp, int64_t K,
 
 }  // namespace
 
+void round_rows_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp, uint16_t* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) round_row(x + r * K, K, Kp, out + r * Kp);
+  });
+}
+
 namespace {
 // Rounds each row to bf16 once (zero-padded to a multiple of 32), then hands the threads blocks
 // of output channels (`channel_block`) as they ask for them (`dynamic_blocks`):
@@ -250,9 +251,7 @@ void over_channel_blocks(const float* x, int64_t rows, int64_t K, int64_t N, con
   if (rows <= 0 || N <= 0) return;  // (a step whose prompt chunks want no logits has no head rows)
   const int64_t Kp = (K + 31) / 32 * 32;
   std::vector<uint16_t> xb(static_cast<size_t>(rows * Kp));
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) round_row(x + r * K, K, Kp, xb.data() + r * Kp);
-  });
+  round_rows_bf16(x, rows, K, Kp, xb.data());
   const int64_t blk = channel_block(rows);
   dynamic_blocks((N + blk - 1) / blk, [&](int64_t b) { run(xb.data(), Kp, b * blk, std::min(N, (b + 1) * blk)); });
 }

@@ -29,6 +29,10 @@ struct OutputStage {
 // Whether this CPU has AVX512-BF16 (VDPBF16PS).
 bool have_bf16_dot();
 
+// Each row of x [rows, K] fp32 rounded to bf16 (to nearest even, as PyTorch's cast) into out
+// [rows, Kp], zero from K to Kp. Requires have_bf16_dot().
+void round_rows_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp, uint16_t* out);
+
 // y[r, o] = sum_k bf16(x[r, k]) * w[o, k] in fp32, x [rows, K] fp32, w [N, K] bf16 bits, y
 // [rows, N] fp32, then `stage`. Requires have_bf16_dot().
 void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint16_t* w, float* y,

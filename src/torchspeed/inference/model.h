@@ -41,10 +41,12 @@ inline at::ScalarType default_kv_dtype(WeightFormat f) { return f == WeightForma
 class InferenceModel {
  public:
   // `tp`: null or a group of size 1 for one process. `bf16_dot`: bf16 and int8 weights
-  // multiply with bf16 dot products where the CPU has them (ServingLinear).
+  // multiply with bf16 dot products where the CPU has them, on AMX tiles where it has those
+  // (ServingLinear).
   InferenceModel(const checkpoint::Model& model, WeightFormat format, comm::CommunicatorPtr tp = nullptr,
                  bool bf16_dot = true);
   bool bf16_dot() const { return head_.bf16_dot(); }
+  bool amx() const { return head_.amx(); }
 
   const models::GPTConfig& config() const { return cfg_; }
   int64_t local_heads() const { return heads_; }

@@ -30,6 +30,13 @@ __attribute__((target("avx512f"))) inline void store_4x4(float* out, int64_t ldo
   }
 }
 
+// 32 int8 weights as bf16: every integer in [-127, 127] is exact in bf16's 8-bit significand.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512bh int8_to_bh(__m256i b) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // lo in lanes 0-15, hi in 16-31: the order of k
+}
+
 // The software prefetch of the one- and two-row kernels: requests the cache lines of
 // [p, p + bytes) (at least one line). The hardware prefetcher alone leaves one or two rows'
 // weight streams waiting on memory (Note [bf16 dot products]).
