@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
+
 #include "dist_util.h"
 #include "torchspeed/runtime/error.h"
 
@@ -161,6 +163,35 @@ TEST(Collectives, ManyAsyncOpsCompleteInOrder) {
     auto dt = ts[i].scalar_type();
     expect_equal(ts[i], reference(ReduceOp::kSum, w.size(), ts[i].numel(), dt, !is_half(dt)), true,
                  torchspeed::concat("async #", i));
+  }
+}
+
+// With TORCHSPEED_COMM_HOST_SIZE (the hosts_2 variant of this test), every test above ran the
+// staged collectives of Note [Hierarchical collectives] for its large sizes; here, that they ran.
+TEST(Collectives, StagedAcrossHostsWhenTheLayoutAllows) {
+  auto& w = *world();
+  const char* hs = std::getenv("TORCHSPEED_COMM_HOST_SIZE");
+  const int L = hs ? std::atoi(hs) : 0;
+  const int expected = L > 1 && w.size() >= 4 && w.size() % L == 0 && w.size() / L > 1 ? w.size() / L : 0;
+  if (hs) {
+    EXPECT_EQ(w.hierarchy_hosts(), expected);
+  }
+  // A group of one rank per host (the ranks of local index 0) has nothing to stage.
+  auto firsts = w.split(L > 0 ? w.rank() % L : 0, w.rank(), "firsts");
+  EXPECT_EQ(firsts->hierarchy_hosts(), 0);
+  if (expected > 0) {
+    // Staged sums on hosts' partial sums: fp32 values whose every order is exact agree bitwise
+    // with the flat reference above; here a large random fp32 tensor agrees within rounding.
+    at::Tensor t = at::randn({300001}, at::TensorOptions().dtype(at::kFloat)).mul_(w.rank() + 1);
+    at::Tensor all = at::empty({300001 * w.size()}, at::kFloat);
+    w.all_gather(t, all);
+    at::Tensor want = all.view({w.size(), -1}).sum(0);
+    w.all_reduce(t);
+    EXPECT_TRUE(at::allclose(t, want, 1e-5, 1e-4));
+    // Every rank holds the same bits.
+    at::Tensor mine = t.clone(), gathered = at::empty({300001 * w.size()}, at::kFloat);
+    w.all_gather(mine, gathered);
+    for (int r = 0; r < w.size(); ++r) EXPECT_TRUE(at::equal(gathered.view({w.size(), -1})[r], mine)) << "rank " << r;
   }
 }
 

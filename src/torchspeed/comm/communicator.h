@@ -89,6 +89,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual const std::vector<int>& world_ranks() const = 0;
   virtual const CommOptions& options() const = 0;
   virtual CommStats stats() const = 0;
+  // The hosts this group's large all_reduce / reduce_scatter / all_gather run across in stages
+  // (within each host, then across: Note [Hierarchical collectives] in mpi_communicator.cpp),
+  // or 0 when they run flat.
+  virtual int hierarchy_hosts() const { return 0; }
 
   // Ranks with the same color form a new group, ordered by key (then by rank), with this
   // group's options or the given ones. Collective.

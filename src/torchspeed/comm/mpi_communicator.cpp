@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -28,6 +30,74 @@ using detail::FailureState;
 using detail::OpDesc;
 
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// Note [Hierarchical collectives]
+// When a group spans several hosts with the same number L > 1 of its ranks on each, consecutive
+// in group-rank order (host-major, as a hostfile places them), its all_reduce, reduce_scatter
+// and all_gather run in stages so that the link between hosts carries the least: over H hosts,
+// - reduce_scatter of P = H x L chunks c, chunk (h, l) for group rank h L + l: for each h, a
+//   reduce_scatter within the host of block h (chunks (h, 0..L-1), contiguous) gives local rank
+//   l the host's sum of chunk (h, l); then a reduce_scatter among the ranks of local index l
+//   (one per host) of those H sums gives chunk (h, l) summed over every host. No copies. Each rank
+//   sends (H-1) c across hosts, against L (H-1) c flat (every off-host peer gets its chunk):
+//   the host's link carries (H-1)/H of the input instead of L (H-1)/H.
+// - all_gather: the mirror, across hosts first (among local index l), then for each h within the
+//   host, straight into block h of the output.
+// - all_reduce: reduce_scatter within the host, all_reduce of the 1/L part across hosts, then
+//   all_gather within the host: 2 (H-1)/H of the tensor per host link, against 2 L (H-1)/H.
+// The stages run as one task of the communicator's FIFO engine (one deadline, the op's), on
+// private MPI communicators of the host and of the local index. Sums add in another order
+// than flat (hosts' partial sums first), so fp32 results may differ in the last bits; every
+// rank still gets the same bits. bf16/fp16 keep the flat algorithm (its one rounding), as do
+// ops small enough for the one-phase all_reduce (latency, not bytes, is their cost).
+// TORCHSPEED_COMM_HIERARCHICAL=0 turns the stages off (to compare); TORCHSPEED_COMM_HOST_SIZE=N
+// treats each N consecutive world ranks as one host (tests on one machine).
+
+// Runs sub-tasks (and local steps between them) one after the other, as one task.
+class StagedTask final : public detail::Task {
+ public:
+  struct Stage {
+    std::function<std::unique_ptr<detail::Task>()> task;  // or null: a local step only
+    std::function<void()> after;                          // or null
+  };
+  StagedTask(OpDesc what, std::vector<at::Tensor> tensors, std::vector<Stage> stages)
+      : Task(std::move(what), std::move(tensors)), stages_(std::move(stages)) {}
+  void start() override { next(); }
+  bool poll() override {
+    while (cur_) {
+      const uint64_t before = cur_->progress();
+      const bool done = cur_->poll();
+      if (cur_->progress() != before) made_progress();
+      if (!done) return false;
+      if (stages_[i_].after) stages_[i_].after();
+      cur_.reset();
+      ++i_;
+      made_progress();
+      next();
+    }
+    return i_ >= stages_.size();
+  }
+
+ private:
+  void next() {
+    while (i_ < stages_.size() && !cur_) {
+      if (stages_[i_].task) {
+        cur_ = stages_[i_].task();
+        cur_->start();
+      } else {
+        if (stages_[i_].after) stages_[i_].after();
+        ++i_;
+      }
+    }
+  }
+  std::vector<Stage> stages_;
+  size_t i_ = 0;
+  std::unique_ptr<detail::Task> cur_;
+};
+
+bool hierarchical_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong;
+}
 
 // Point-to-point requests whose Work was dropped before they completed. MPI may still read or
 // write their tensors, so they are kept here until MPI is done with them: tested on every new
@@ -191,6 +261,7 @@ class MpiCommunicator final : public Communicator {
     algo_.chunks_in_flight = options_.chunks_in_flight();
     algo_.one_phase_bytes = options_.one_phase_bytes();
     algo_.scratch = std::make_shared<detail::ScratchPool>();
+    setup_hierarchy();
     std::lock_guard<std::mutex> lock(g_registry_mu);
     g_registry.insert(this);
     if (!g_hook_registered) {
@@ -212,6 +283,7 @@ class MpiCommunicator final : public Communicator {
   const std::string& name() const override { return name_; }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
   const CommOptions& options() const override { return options_; }
+  int hierarchy_hosts() const override { return hier_ ? hier_->hosts : 0; }
   CommStats stats() const override {
     std::lock_guard<std::mutex> lock(stats_mu_);
     CommStats out;
@@ -244,6 +316,9 @@ class MpiCommunicator final : public Communicator {
  protected:
   WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op, Mode mode) override {
     const int64_t b = bytes_of(t), peers = size() - 1;  // one phase: whole tensor to each peer
+    if (hier_ && b * peers > algo_.one_phase_bytes && hierarchical_dtype(t.scalar_type())) {
+      return hierarchical_all_reduce(t, op, mode);
+    }
     count(kAllReduce, b, b * peers <= algo_.one_phase_bytes ? b * peers : 2 * b * peers / size());
     return submit(detail::make_all_reduce(algo_, describe_op(kAllReduce, t, op), t, op), {t},
                   mode);
@@ -251,6 +326,9 @@ class MpiCommunicator final : public Communicator {
 
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op,
                             Mode mode) override {
+    if (hier_ && bytes_of(in) > algo_.one_phase_bytes && hierarchical_dtype(in.scalar_type())) {
+      return hierarchical_reduce_scatter(in, out, op, mode);
+    }
     count(kReduceScatter, bytes_of(in), bytes_of(in) * (size() - 1) / size());
     return submit(
         detail::make_reduce_scatter(algo_, describe_op(kReduceScatter, in, op), in, out, op),
@@ -258,6 +336,9 @@ class MpiCommunicator final : public Communicator {
   }
 
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out, Mode mode) override {
+    if (hier_ && bytes_of(out) > algo_.one_phase_bytes && hierarchical_dtype(in.scalar_type())) {
+      return hierarchical_all_gather(in, out, mode);
+    }
     count(kAllGather, bytes_of(out), bytes_of(in) * (size() - 1));
     return submit(
         detail::make_all_gather(algo_, describe_op(kAllGather, in, std::nullopt), in, out),
@@ -290,6 +371,120 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+  // Note [Hierarchical collectives]: the ranks of this group on this host (intra) and those of
+  // the same local index on every host (inter), when the layout allows.
+  struct Level {
+    MPI_Comm comm = MPI_COMM_NULL, p2p = MPI_COMM_NULL;
+    detail::AlgoContext algo;
+  };
+  struct Hierarchy {
+    int hosts = 1, local = 1;  // H, L
+    Level intra, inter;
+  };
+
+  void setup_hierarchy() {
+    const char* mode = std::getenv("TORCHSPEED_COMM_HIERARCHICAL");
+    if (size_ < 4 || (mode && std::string(mode) == "0")) return;  // (every rank reads the same env)
+    const char* hs = std::getenv("TORCHSPEED_COMM_HOST_SIZE");
+    const int host_size = hs && *hs ? std::atoi(hs) : 0;
+    // Each rank's host, as the group rank of the host's first member.
+    MPI_Comm host = MPI_COMM_NULL;
+    if (host_size > 0) {
+      check_mpi(MPI_Comm_split(comm_, world_ranks_[static_cast<size_t>(rank_)] / host_size, rank_, &host), describe("create"));
+    } else {
+      check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &host), describe("create"));
+    }
+    int leader = rank_, local = 1;
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, host), describe("create"));
+    MPI_Comm_size(host, &local);
+    MPI_Comm_free(&host);
+    std::vector<int> info(2 * static_cast<size_t>(size_)), mine{leader, local};
+    check_mpi(MPI_Allgather(mine.data(), 2, MPI_INT, info.data(), 2, MPI_INT, comm_), describe("create"));
+    const int L = info[1];
+    bool ok = L > 1 && size_ % L == 0 && size_ / L > 1;
+    for (int r = 0; ok && r < size_; ++r) {
+      ok = info[2 * static_cast<size_t>(r) + 1] == L && info[2 * static_cast<size_t>(r)] == r - r % L;
+    }
+    if (!ok) return;  // the same decision on every rank: it rests on the gathered layout alone
+    auto level = std::make_unique<Hierarchy>();
+    level->hosts = size_ / L;
+    level->local = L;
+    auto make = [&](Level& lv, int color) {
+      check_mpi(MPI_Comm_split(comm_, color, rank_, &lv.comm), describe("create"));
+      check_mpi(MPI_Comm_dup(lv.comm, &lv.p2p), describe("create"));
+      MPI_Comm_set_errhandler(lv.comm, MPI_ERRORS_RETURN);
+      MPI_Comm_set_errhandler(lv.p2p, MPI_ERRORS_RETURN);
+      lv.algo = algo_;
+      lv.algo.coll = lv.comm;
+      lv.algo.p2p = lv.p2p;
+      MPI_Comm_rank(lv.comm, &lv.algo.rank);
+      MPI_Comm_size(lv.comm, &lv.algo.size);
+      lv.algo.scratch = std::make_shared<detail::ScratchPool>();
+    };
+    make(level->intra, rank_ / L);
+    make(level->inter, rank_ % L);
+    hier_ = std::move(level);
+  }
+
+  WorkPtr hierarchical_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op, Mode mode) {
+    const int64_t H = hier_->hosts, L = hier_->local, c = out.numel();
+    const int64_t e = static_cast<int64_t>(in.element_size());
+    count(kReduceScatter, bytes_of(in), (L - 1) * H * c * e + (H - 1) * c * e);
+    const ReduceOp sub = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    OpDesc what = describe_op(kReduceScatter, in, op);
+    const at::Tensor blocks = in.reshape({H, L * c});  // block h: chunks (h, 0..L-1), contiguous
+    at::Tensor mid = at::empty({H, c}, in.options());     // row h: this host's sum of chunk (h, l)
+    const at::Tensor flat_out = out.view({-1});
+    std::vector<StagedTask::Stage> stages;
+    for (int64_t h = 0; h < H; ++h) {
+      stages.push_back({[=, this] { return detail::make_reduce_scatter(hier_->intra.algo, what, blocks[h], mid[h], sub); }, nullptr});
+    }
+    stages.push_back({[=, this] { return detail::make_reduce_scatter(hier_->inter.algo, what, mid.view({-1}), flat_out, sub); },
+                      [=]() mutable {
+                        if (op == ReduceOp::kAvg) flat_out.div_(static_cast<double>(H * L));
+                      }});
+    return submit(std::make_unique<StagedTask>(what, std::vector<at::Tensor>{in, out, mid}, std::move(stages)), {out},
+                  mode);
+  }
+
+  WorkPtr hierarchical_all_gather(const at::Tensor& in, const at::Tensor& out, Mode mode) {
+    const int64_t H = hier_->hosts, L = hier_->local, c = in.numel();
+    const int64_t e = static_cast<int64_t>(in.element_size());
+    count(kAllGather, bytes_of(out), (H - 1) * c * e + (L - 1) * H * c * e);
+    OpDesc what = describe_op(kAllGather, in, std::nullopt);
+    at::Tensor mid = at::empty({H, c}, in.options());  // row h: chunk (h, l) of this local index l
+    const at::Tensor flat_in = in.reshape({-1}), blocks = out.view({H, L * c});
+    std::vector<StagedTask::Stage> stages;
+    stages.push_back({[=, this] { return detail::make_all_gather(hier_->inter.algo, what, flat_in, mid.view({-1})); }, nullptr});
+    for (int64_t h = 0; h < H; ++h) {
+      stages.push_back({[=, this] { return detail::make_all_gather(hier_->intra.algo, what, mid[h], blocks[h]); }, nullptr});
+    }
+    return submit(std::make_unique<StagedTask>(what, std::vector<at::Tensor>{in, out, mid}, std::move(stages)), {out},
+                  mode);
+  }
+
+  WorkPtr hierarchical_all_reduce(const at::Tensor& t, ReduceOp op, Mode mode) {
+    const int64_t H = hier_->hosts, L = hier_->local, n = t.numel(), c = (n + L - 1) / L;
+    const int64_t e = static_cast<int64_t>(t.element_size());
+    count(kAllReduce, bytes_of(t), 2 * (L - 1) * c * e + 2 * (H - 1) * ((c + H - 1) / H) * e);
+    const ReduceOp sub = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    OpDesc what = describe_op(kAllReduce, t, op);
+    const at::Tensor flat = t.view({-1});
+    const bool padded = L * c != n;
+    at::Tensor buf = padded ? at::zeros({L * c}, t.options()) : flat, part = at::empty({c}, t.options());
+    std::vector<StagedTask::Stage> stages;
+    if (padded) stages.push_back({nullptr, [=]() mutable { buf.narrow(0, 0, n).copy_(flat); }});
+    stages.push_back({[=, this] { return detail::make_reduce_scatter(hier_->intra.algo, what, buf, part, sub); }, nullptr});
+    stages.push_back({[=, this] { return detail::make_all_reduce(hier_->inter.algo, what, part, sub); }, nullptr});
+    stages.push_back({[=, this] { return detail::make_all_gather(hier_->intra.algo, what, part, buf); },
+                      [=]() mutable {
+                        if (padded) flat.copy_(buf.narrow(0, 0, n));
+                        if (op == ReduceOp::kAvg) flat.div_(static_cast<double>(H * L));
+                      }});
+    return submit(std::make_unique<StagedTask>(what, std::vector<at::Tensor>{t, buf, part}, std::move(stages)), {t},
+                  mode);
+  }
+
   OpDesc describe_op(OpKind op, const at::Tensor& t, std::optional<ReduceOp> rop) const {
     OpDesc d;
     d.op = kOpNames[op];
@@ -352,6 +547,12 @@ class MpiCommunicator final : public Communicator {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && !state_->broken() && !abandon) {
+      if (hier_) {
+        for (Level* lv : {&hier_->intra, &hier_->inter}) {
+          MPI_Comm_free(&lv->p2p);
+          MPI_Comm_free(&lv->comm);
+        }
+      }
       MPI_Comm_free(&algo_comm_);
       MPI_Comm_free(&comm_);
     }
@@ -369,6 +570,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<detail::ProgressEngine> engine_;
   std::shared_ptr<PendingRequests> pending_;
   detail::AlgoContext algo_;
+  std::unique_ptr<Hierarchy> hier_;  // null: flat collectives only
   std::mutex release_mu_;
   bool released_ = false;
 

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Hierarchical against flat collectives across hosts (Note [Hierarchical collectives]): ZeRO-2
+# data parallel on the d768 GPT (86M parameters, fp32) over 2 hosts x 2 ranks, hosts being
+# network namespaces of scripts/multihost joined by a link shaped to RATE (default 1gbit).
+# For each mode, two runs (S1 and S2 steps) give the bytes each host sent on its link per step
+# (the difference over S2 - S1 steps, so start-up traffic cancels), beside the formula:
+#   flat:         L (H-1)/H x (gradient bytes + parameter bytes) per host per step
+#   hierarchical:   (H-1)/H x (gradient bytes + parameter bytes)
+# (ZeRO-2: a reduce-scatter of the gradients and an all-gather of the updated parameters), and
+# the median step time of the longer run. Prints the ratios side by side.
+#
+# The step time gains what the link costs: 4 ranks share this machine's cores, so the longer the
+# samples (SEQ, default 128), the more the step is compute and the less the link matters.
+#
+# Usage: [SEQ=32] benchmarks/multihost_zero2.sh [CLI] [RATE]   (as root; exit 77 without namespaces)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cli="${1:-$root/build/bin/torchspeed}"
+rate="${2:-1gbit}"
+S1="${S1:-2}" S2="${S2:-5}" SEQ="${SEQ:-128}"  # SEQ: tokens per sample (the compute per step)
+work="$(mktemp -d /tmp/ts-multihost-zero2.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+cat >"$work/cfg.json" <<JSON
+{
+  "train_batch_size": 4,
+  "train_micro_batch_size_per_gpu": 1,
+  "seed": 1234,
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+  "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000, "overlap_comm": true},
+  "model": {"vocab": 256, "seq_len": $SEQ, "d_model": 768, "n_layer": 12, "n_head": 12, "dropout": 0.0},
+  "train": {"eval_interval": 1000, "log_interval": 1, "checkpoint_interval": 0}
+}
+JSON
+cat >"$work/runs.sh" <<INNER
+set -euo pipefail
+sent() {  # bytes each host has sent on its link so far, "host bytes" lines
+  for link in \$TS_MH_LINKS; do
+    echo "\${link%%:*} \$(ip netns exec "\${link%%:*}" cat /sys/class/net/\${link#*:}/statistics/tx_bytes)"
+  done
+}
+for mode in flat hier; do
+  for steps in $S1 $S2; do
+    sent >"$work/\$mode-\$steps.before"
+    TORCHSPEED_COMM_HIERARCHICAL=\$([ \$mode = flat ] && echo 0 || echo 1) \
+      "$cli" launch --hostfile "\$TS_MH_HOSTFILE" -- "$cli" train -c "$work/cfg.json" --out "$work/\$mode-\$steps" \
+      --set train.steps=\$steps >"$work/\$mode-\$steps.log" 2>&1 || { cat "$work/\$mode-\$steps.log"; exit 1; }
+    sent >"$work/\$mode-\$steps.after"
+  done
+done
+INNER
+"$root/scripts/multihost" --hosts 2 --slots 2 --rate "$rate" -- bash "$work/runs.sh"
+python3 - "$work" "$S1" "$S2" "$rate" "$SEQ" <<'PY'
+import csv, statistics, sys
+work, s1, s2, rate, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+H, L = 2, 2
+params = 0
+with open(f"{work}/hier-{s2}.log") as f:
+    for line in f:
+        if "parameters" in line and "M parameters" in line:
+            params = float(line.split("M parameters")[0].split()[-1]) * 1e6
+            break
+def read(path):
+    return {l.split()[0]: int(l.split()[1]) for l in open(path)}
+def per_step(mode):
+    out = {}
+    for s in (s1, s2):
+        b, a = read(f"{work}/{mode}-{s}.before"), read(f"{work}/{mode}-{s}.after")
+        out[s] = {h: a[h] - b[h] for h in a}
+    return {h: (out[s2][h] - out[s1][h]) / (s2 - s1) for h in out[s2]}
+def step_s(mode):
+    rows = list(csv.DictReader(open(f"{work}/{mode}-{s2}/metrics.csv")))
+    tokens = 4 * seq
+    return statistics.median(tokens / float(r["tokens_per_s"]) for r in rows[1:])
+fp32 = 4 * params
+formula = {"flat": L * (H - 1) / H * 2 * fp32, "hier": (H - 1) / H * 2 * fp32}
+print(f"multihost zero2: d768 GPT ({params / 1e6:.1f}M parameters, fp32), ZeRO-2, {H} hosts x {L} ranks, 1 sample of {seq} tokens per rank, link {rate}")
+res = {}
+for mode in ("flat", "hier"):
+    b = per_step(mode)
+    t = step_s(mode)
+    res[mode] = (b, t)
+    for h, v in sorted(b.items()):
+        print(f"  {mode:5s} {h}: {v / 1e6:8.1f} MB per step on its link; formula {formula[mode] / 1e6:8.1f} MB ({v / formula[mode]:.3f}x)")
+    print(f"  {mode:5s} median step {t:.2f} s")
+print(f"multihost zero2: hierarchical link bytes {min(res['hier'][0].values()) / max(res['flat'][0].values()):.3f}x flat's; "
+      f"step time: hierarchical {res['flat'][1] / res['hier'][1]:.2f}x faster than flat (target 1.5x)")
+PY
