@@ -2,7 +2,8 @@
 // layers of qkv 2304x768, proj 768x768, fc 3072x768, mlp 768x3072: 85M weights) at 1, 2, 16, 64
 // and 256 rows, per weight format and kernel (Note [Serving linear kernels], [bf16 dot
 // products], [AMX tiles]), beside what a LibTorch user would call instead: at::linear on fp32
-// weights (MKL) and on bf16 input and weights (oneDNN, AMX where the CPU has it). Prints the
+// weights (MKL) and on bf16 input and weights (oneDNN, AMX where the CPU has it; bf16 output, as a
+// bf16 model keeps its activations, so the peer converts nothing per linear). Prints the
 // median time of the 48 linears, the weight bytes streamed per second and the GFLOP/s.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -74,7 +75,7 @@ int run_linear(const BenchArgs& args) {
                      }, params * 4});
   kernels.push_back({"torch bf16 (at::linear)", [&](const at::Tensor& a, const at::Tensor& b, int64_t) {
                        const at::Tensor a16 = a.to(at::kBFloat16), b16 = b.to(at::kBFloat16);
-                       for (const auto& w : dense_bf16) (void)at::linear(w.size(1) == 768 ? a16 : b16, w).to(at::kFloat);
+                       for (const auto& w : dense_bf16) (void)at::linear(w.size(1) == 768 ? a16 : b16, w);
                      }, params * 2});
   // Our kernels: (format, bf16 dot products, AMX), those this CPU runs.
   struct Ours {
@@ -93,7 +94,6 @@ int run_linear(const BenchArgs& args) {
     ours.push_back({WeightFormat::kBF16, true, true, "ours bf16 AMX"});
     ours.push_back({WeightFormat::kInt8, true, true, "ours int8 AMX"});
   }
-  std::vector<std::shared_ptr<std::vector<ServingLinear>>> keep;
   for (const Ours& o : ours) {
     auto lin = std::make_shared<std::vector<ServingLinear>>();
     int64_t bytes = 0;
@@ -101,7 +101,6 @@ int run_linear(const BenchArgs& args) {
       lin->emplace_back(w, at::Tensor(), o.format, o.dot, o.amx);
       bytes += lin->back().weight_bytes();
     }
-    keep.push_back(lin);
     kernels.push_back({o.name, [lin](const at::Tensor& a, const at::Tensor& b, int64_t rows) {
                          for (const auto& L : *lin) (void)L.forward(L.in_features() == 768 ? a : b, rows);
                        }, bytes});

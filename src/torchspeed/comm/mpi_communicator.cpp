@@ -384,9 +384,18 @@ class MpiCommunicator final : public Communicator {
 
   void setup_hierarchy() {
     const char* mode = std::getenv("TORCHSPEED_COMM_HIERARCHICAL");
+    TS_CHECK(!mode || !*mode || std::string(mode) == "0" || std::string(mode) == "1",
+             "environment variable TORCHSPEED_COMM_HIERARCHICAL='", mode, "' must be 0 (flat) or 1 (staged where the layout allows)");
     if (size_ < 4 || (mode && std::string(mode) == "0")) return;  // (every rank reads the same env)
     const char* hs = std::getenv("TORCHSPEED_COMM_HOST_SIZE");
-    const int host_size = hs && *hs ? std::atoi(hs) : 0;
+    int host_size = 0;
+    if (hs && *hs) {
+      char* end = nullptr;
+      const long v = std::strtol(hs, &end, 10);
+      TS_CHECK(end && *end == '\0' && v > 0 && v < (1L << 30), "environment variable TORCHSPEED_COMM_HOST_SIZE='", hs,
+               "' must be a positive rank count");
+      host_size = static_cast<int>(v);
+    }
     // Each rank's host, as the group rank of the host's first member.
     MPI_Comm host = MPI_COMM_NULL;
     if (host_size > 0) {

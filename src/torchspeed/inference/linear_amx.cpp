@@ -186,7 +186,7 @@ void copy_out(int64_t rows, int64_t m0, int64_t o, int64_t o1, int64_t N, float*
 
 // bf16 weights, output channels [o0, o1) (o0 a multiple of 16) for every row: channel strips
 // two at a time, each pair passed over by the row tiles two at a time.
-TS_AMX void bf16_block(const uint16_t* xa, int64_t rows, int64_t Mp, int64_t Kp, const uint16_t* w, int64_t o0,
+TS_AMX void bf16_block(const uint16_t* xa, int64_t rows, int64_t Kp, const uint16_t* w, int64_t o0,
                        int64_t o1, float* y, int64_t N) {
   const int64_t KT = Kp / 32, strip = KT * kTile;
   alignas(64) float c[32 * 32];
@@ -194,8 +194,8 @@ TS_AMX void bf16_block(const uint16_t* xa, int64_t rows, int64_t Mp, int64_t Kp,
   for (int64_t o = o0; o < o1; o += 32) {
     const int nt = o + 16 < o1 ? 2 : 1;
     const uint16_t* b = w + (o / 16) * strip;
-    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-      const int mt = m0 + 16 < Mp ? 2 : 1;
+    for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+      const int mt = m0 + 16 < rows ? 2 : 1;
       // accumulators C[0][*] (0, 1) and activations 4: the first row tile; 2, 3 and 5: the second
       const auto r0 = static_cast<uint8_t>(std::min<int64_t>(16, rows - m0));
       const auto r1 = static_cast<uint8_t>(std::clamp<int64_t>(rows - m0 - 16, 1, 16));
@@ -215,7 +215,7 @@ struct FixedRows {
   std::vector<float> step;  // x ~ q * step, per row
 };
 
-// One row: step = max|x| / 32767, q = x * (32767 / max|x|) rounded to nearest even, in fp32.
+// One row into hi and lo, which arrive zeroed (so k from K to Kp stays 0): step = max|x| / 32767, q = x * (32767 / max|x|) rounded to nearest even, in fp32.
 // A row of zeros has step 0; a row with inf or NaN gets step NaN, so its outputs are NaN.
 TS_AMX void fix_row(const float* x, int64_t K, int64_t Kp, int8_t* hi, uint8_t* lo, float* step) {
   __m512 mx = _mm512_setzero_ps();
@@ -227,8 +227,6 @@ TS_AMX void fix_row(const float* x, int64_t K, int64_t Kp, int8_t* hi, uint8_t* 
   for (int64_t i = 0; i < K; ++i) {
     if (!std::isfinite(x[i])) m = std::numeric_limits<float>::quiet_NaN();  // (max_ps drops NaN)
   }
-  std::fill(hi, hi + Kp, 0);
-  std::fill(lo, lo + Kp, 0);
   if (!(m > 0.0f) || !std::isfinite(m)) {
     *step = m == 0.0f ? 0.0f : std::numeric_limits<float>::quiet_NaN();
     return;
@@ -280,7 +278,7 @@ TS_AMX void int8_pass(const int8_t* hi, const uint8_t* lo, int64_t lda, const in
   }
 }
 
-TS_AMX void int8_block(const FixedRows& xq, int64_t rows, int64_t Mp, int64_t Kp, const int8_t* w, const float* scale,
+TS_AMX void int8_block(const FixedRows& xq, int64_t rows, int64_t Kp, const int8_t* w, const float* scale,
                        int64_t o0, int64_t o1, float* y, int64_t N) {
   const int64_t KT = Kp / 64, strip = KT * 2 * kTile;
   alignas(64) int32_t c_hi[16 * 32], c_lo[16 * 32];
@@ -288,7 +286,7 @@ TS_AMX void int8_block(const FixedRows& xq, int64_t rows, int64_t Mp, int64_t Kp
   for (int64_t o = o0; o < o1; o += 32) {
     const bool two = o + 16 < o1;
     const int8_t* b = w + (o / 16) * strip;
-    for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
       const auto r = static_cast<uint8_t>(std::min<int64_t>(16, rows - m0));  // every tile but the weights'
       tiles.use({r, r, r, r, r, r});
       const int8_t* hi = xq.hi.data() + m0 * Kp;
@@ -315,7 +313,7 @@ void amx_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const at::
                   float* y, const OutputStage& stage) {
   TS_INTERNAL_ASSERT(have_amx(), "AMX tiles need AMX-BF16 and AMX-INT8");
   const bool int8 = packed.scalar_type() == at::kChar;
-  const int64_t tile_k = int8 ? 64 : 32, Kp = (K + tile_k - 1) / tile_k * tile_k, Mp = (rows + 15) / 16 * 16;
+  const int64_t tile_k = int8 ? 64 : 32, Kp = (K + tile_k - 1) / tile_k * tile_k;
   TS_INTERNAL_ASSERT(packed.dim() == 5 && packed.size(0) * 16 >= N && packed.size(1) * tile_k == Kp &&
                          (scale != nullptr) == int8,
                      "amx_dot_rows: packed ", packed.sizes(), " for [", N, ", ", K, "]");
@@ -324,26 +322,27 @@ void amx_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const at::
   const int64_t blocks = (N + blk - 1) / blk;
   if (int8) {
     FixedRows xq;
-    xq.hi.assign(static_cast<size_t>(Mp * Kp), 0);
-    xq.lo.assign(static_cast<size_t>(Mp * Kp), 0);
-    xq.step.assign(static_cast<size_t>(Mp), 0.0f);
+    // Rows only: a tile configured with fewer than 16 rows reads no others.
+    xq.hi.assign(static_cast<size_t>(rows * Kp), 0);
+    xq.lo.assign(static_cast<size_t>(rows * Kp), 0);
+    xq.step.assign(static_cast<size_t>(rows), 0.0f);
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) fix_row(x + r * K, K, Kp, xq.hi.data() + r * Kp, xq.lo.data() + r * Kp, &xq.step[r]);
     });
     const int8_t* w = packed.data_ptr<int8_t>();
     dynamic_blocks(blocks, [&](int64_t b) {
       const int64_t o0 = b * blk, o1 = std::min(N, o0 + blk);
-      int8_block(xq, rows, Mp, Kp, w, scale, o0, o1, y, N);
+      int8_block(xq, rows, Kp, w, scale, o0, o1, y, N);
       stage.apply(y, rows, N, o0, o1);
     });
     return;
   }
-  std::vector<uint16_t> xa(static_cast<size_t>(Mp * Kp), 0);
+  std::vector<uint16_t> xa(static_cast<size_t>(rows * Kp));
   round_rows_bf16(x, rows, K, Kp, xa.data());
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
   dynamic_blocks(blocks, [&](int64_t b) {
     const int64_t o0 = b * blk, o1 = std::min(N, o0 + blk);
-    bf16_block(xa.data(), rows, Mp, Kp, w, o0, o1, y, N);
+    bf16_block(xa.data(), rows, Kp, w, o0, o1, y, N);
     stage.apply(y, rows, N, o0, o1);
   });
 }
