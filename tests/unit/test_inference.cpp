@@ -12,6 +12,7 @@
 
 #include "test_util.h"
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/inference/attention.h"
 #include "torchspeed/inference/engine.h"
 #include "torchspeed/inference/linear_bf16.h"
 #include "torchspeed/models/gpt.h"
@@ -262,17 +263,84 @@ TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
             }
           }
         }
-        // A row of zeros gives the bias; a row holding inf gives NaN or inf, and only there.
-        at::Tensor odd = x.narrow(0, 0, 3).clone();
-        odd[0].zero_();
-        odd[1][K / 2] = std::numeric_limits<float>::infinity();
-        const at::Tensor yo = l.forward(odd, 3);
-        EXPECT_TRUE(at::equal(yo[0], b)) << what;
-        EXPECT_FALSE(at::isfinite(yo[1]).any().item<bool>()) << what;
-        EXPECT_TRUE(at::equal(yo[2], y[2])) << what;
+        // A row of zeros gives the bias; a row holding inf gives NaN or inf, and only there
+        // (3 rows: int8 on VPDPBUSD where the CPU has it; 20: on tiles).
+        for (int64_t n : {3, 20}) {
+          at::Tensor odd = x.narrow(0, 0, n).clone();
+          odd[0].zero_();
+          odd[1][K / 2] = std::numeric_limits<float>::infinity();
+          const at::Tensor yo = l.forward(odd, n);
+          EXPECT_TRUE(at::equal(yo[0], b)) << what << " of " << n;
+          EXPECT_FALSE(at::isfinite(yo[1]).any().item<bool>()) << what << " of " << n;
+          EXPECT_TRUE(at::equal(yo.narrow(0, 2, n - 2), y.narrow(0, 2, n - 2))) << what << " of " << n;
+        }
       }
     }
   }
+}
+
+TEST(ServingLinear, GeluInsideTheKernel) {
+  torch::manual_seed(5);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  // Outputs from -12 to 12: both tails of erf and tanh, and the middle.
+  const at::Tensor w = at::randn({70, 45}) * 1.5, b = at::randn({70}), x = at::randn({40, 45});
+  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8}) {
+    for (int kernel = 0; kernel < 3; ++kernel) {
+      const ServingLinear l(w, b, fmt, kernel > 0, kernel == 2);
+      for (const char* approx : {"none", "tanh"}) {
+        const Activation act = activation_for_gelu(approx);
+        const std::string what = std::string(weight_format_name(fmt)) + " kernel " + std::to_string(kernel) + " " + approx;
+        for (int64_t kernel_rows : {int64_t{40}, int64_t{3}}) {  // the row kernel for all, and GEMM rows after 3
+          const at::Tensor pre = l.forward(x, kernel_rows);
+          const at::Tensor y = l.forward(x, kernel_rows, true, act);
+          ASSERT_GT(pre.abs().max().item<float>(), 8.0f);
+          const at::Tensor exact = at::gelu(pre.to(at::kDouble), approx);
+          const at::Tensor err = (y.to(at::kDouble) - exact).abs() / pre.abs().to(at::kDouble).clamp_min(1.0);
+          EXPECT_LT(err.max().item<double>(), 3e-7) << what;
+          // Elementwise: a row of the row kernel gets the same bits alone.
+          for (int64_t r : {int64_t{0}, int64_t{2}, kernel_rows - 1}) {
+            EXPECT_TRUE(at::equal(l.forward(x.narrow(0, r, 1), 1, true, act)[0], y[r])) << what << " row " << r;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_THROW(activation_for_gelu("erf"), std::exception);
+  at::set_num_threads(threads);
+}
+
+TEST(DecodeAttention, MatchesAReferenceForEveryHeadDimAndLength) {
+  torch::manual_seed(9);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  const int64_t heads = 3, slots_n = 160;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t hd : {16, 32, 48, 64, 128, 256}) {
+      // Scattered slots, as a block table gives them; lengths around the groups of 16 keys.
+      const at::Tensor perm = at::randperm(slots_n, at::kLong);
+      const at::Tensor keys = (at::randn({slots_n, heads, hd}) * 2).to(dtype), values = at::randn({slots_n, heads, hd}).to(dtype);
+      for (int64_t L : {1, 15, 16, 17, 33, 150}) {
+        const std::string what = std::string(dtype == at::kFloat ? "fp32" : "bf16") + " hd " + std::to_string(hd) + " L " +
+                                 std::to_string(L);
+        const at::Tensor slots = perm.narrow(0, 0, L).contiguous();
+        const at::Tensor q = at::randn({2, heads, hd});  // two sequences at once
+        at::Tensor out = at::full({2, heads, hd}, std::numeric_limits<float>::quiet_NaN());
+        std::vector<DecodeAttentionItem> items;
+        for (int64_t s = 0; s < 2; ++s) items.push_back({q[s].data_ptr<float>(), slots.data_ptr<int64_t>(), L, out[s].data_ptr<float>()});
+        const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+        decode_attention(items.data(), 2, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16, heads, hd, scale);
+        const at::Tensor K = keys.index_select(0, slots).to(at::kDouble).permute({1, 0, 2});  // [H, L, hd]
+        const at::Tensor V = values.index_select(0, slots).to(at::kDouble).permute({1, 0, 2});
+        for (int64_t s = 0; s < 2; ++s) {
+          const at::Tensor att = at::matmul(K, q[s].to(at::kDouble).unsqueeze(2)).squeeze(2) * scale;  // [H, L]
+          const at::Tensor ref = at::matmul(att.softmax(-1).unsqueeze(1), V).squeeze(1);           // [H, hd]
+          EXPECT_LT((out[s].to(at::kDouble) - ref).abs().max().item<double>(), 2e-6) << what;
+        }
+      }
+    }
+  }
+  at::set_num_threads(threads);
 }
 
 TEST(Sampler, Rules) {

@@ -24,41 +24,78 @@ bool have_avx512() {
   return yes;
 }
 
-TS_AVX512 inline __m512 load_kv(const float* p) { return _mm512_loadu_ps(p); }
-TS_AVX512 inline __m512 load_kv(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// e^x for x <= 0, 16 lanes: x = n ln2 + f with |f| <= ln2 / 2 (ln2 split in two for an exact
-// n ln2), e^f by its degree-6 Taylor polynomial (relative error under 2e-7), times 2^n by
-// scalef, which also takes lanes below e^-87 to zero.
-TS_AVX512 inline __m512 exp_le0(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// One (sequence, head) with head_dim a multiple of 16. Scores four keys at a time (four
-// independent FMA chains, one reduction each), softmax 16 scores at a time, then the weighted
-// sum of values 16 lanes at a time. Keys and values are fp32 or bf16 (widened in registers).
+// A cached key or value row in 64-byte chunks, widened to fp32 in registers. bf16: a chunk is 32
+// elements; its even elements are the low halves of its 32-bit words shifted up, its odd ones
+// the high halves masked, one ALU operation each and no shuffle (the query and the output are
+// split the same way). fp32: a chunk is 16 elements, loaded as is.
 template <class KT>
+struct Chunks;
+template <>
+struct Chunks<float> {
+  static constexpr int kElems = 16, kParts = 1;
+  TS_AVX512 static void load(const float* p, __m512* v) { v[0] = _mm512_loadu_ps(p); }
+  TS_AVX512 static void split(const float* x, __m512* v) { v[0] = _mm512_loadu_ps(x); }
+  TS_AVX512 static void join(const __m512* v, float* out) { _mm512_storeu_ps(out, v[0]); }
+};
+template <>
+struct Chunks<uint16_t> {
+  static constexpr int kElems = 32, kParts = 2;
+  TS_AVX512 static void load(const uint16_t* p, __m512* v) {
+    const __m512i r = _mm512_loadu_si512(p);
+    v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+    v[1] = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // 32 fp32 elements -> (even, odd)
+  TS_AVX512 static void split(const float* x, __m512* v) {
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    v[0] = _mm512_permutex2var_ps(a, even, b);
+    v[1] = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+  }
+  // (even, odd) -> 32 fp32 elements in order
+  TS_AVX512 static void join(const __m512* v, float* out) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_ps(out, _mm512_permutex2var_ps(v[0], lo, v[1]));
+    _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(v[0], _mm512_add_epi32(lo, _mm512_set1_epi32(8)), v[1]));
+  }
+};
+
+// The sums of 16 vectors' lanes, one per lane: v[i] must hold key kSlot[i]'s products, so lane m
+// of the result is key m's score (a fixed tree of adds: the same bits for a key wherever it is).
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+TS_AVX512 inline __m512 reduce16(const __m512* v) {
+  __m512 r[8], s[4];
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD));
+  }
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[2]), _mm512_unpackhi_ps(s[0], s[2]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(s[1], s[3]), _mm512_unpackhi_ps(s[1], s[3]));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+}
+
+// One (sequence, head), NC chunks of head_dim. Scores 16 keys at a time: each key's products in
+// one vector (one FMA chain over the chunks), the 16 vectors summed lane-wise by one tree
+// (reduce16) instead of a reduction each; softmax 16 scores at a time; then the weighted sum of
+// values with two sets of accumulators (even and odd positions, added at the end) so that the
+// FMA latency does not bound it.
+template <class KT, int NC>
 TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, const int64_t* slots, int64_t L,
-                           int64_t row, int64_t hd, float scale, float* p, float* o) {
-  __m512 qv[16];  // head_dim <= 256
-  const int64_t nv = hd / 16;
-  for (int64_t c = 0; c < nv; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
+                           int64_t row, float scale, float* p, float* o) {
+  using C = Chunks<KT>;
+  constexpr int P = C::kParts, E = C::kElems;
+  __m512 qv[NC][P];
+  for (int c = 0; c < NC; ++c) {
+    C::split(q + E * c, qv[c]);
+    for (int k = 0; k < P; ++k) qv[c][k] = _mm512_mul_ps(qv[c][k], _mm512_set1_ps(scale));
+  }
   // Cache lines of the key (then value) rows this many positions ahead are requested early:
   // the rows are scattered over the cache's blocks, where the hardware prefetcher loses track.
-  constexpr int64_t ahead = 8;
-  const int64_t lines = (hd * static_cast<int64_t>(sizeof(KT)) + 63) / 64;
+  constexpr int64_t ahead = 16;
+  constexpr int64_t lines = (E * NC * static_cast<int64_t>(sizeof(KT)) + 63) / 64;
   auto prefetch = [&](const KT* base, int64_t j) {
     if (j < L) {
       const char* r = reinterpret_cast<const char*>(base + slots[j] * row);
@@ -66,56 +103,95 @@ TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, con
     }
   };
   for (int64_t j = 0; j < std::min(ahead, L); ++j) prefetch(keys, j);
-  int64_t j = 0;
-  for (; j + 4 <= L; j += 4) {
-    for (int64_t a = 0; a < 4; ++a) prefetch(keys, j + ahead + a);
-    const KT* k0 = keys + slots[j] * row;
-    const KT* k1 = keys + slots[j + 1] * row;
-    const KT* k2 = keys + slots[j + 2] * row;
-    const KT* k3 = keys + slots[j + 3] * row;
-    __m512 a0 = _mm512_mul_ps(qv[0], load_kv(k0)), a1 = _mm512_mul_ps(qv[0], load_kv(k1)),
-           a2 = _mm512_mul_ps(qv[0], load_kv(k2)), a3 = _mm512_mul_ps(qv[0], load_kv(k3));
-    for (int64_t c = 1; c < nv; ++c) {
-      a0 = _mm512_fmadd_ps(qv[c], load_kv(k0 + 16 * c), a0);
-      a1 = _mm512_fmadd_ps(qv[c], load_kv(k1 + 16 * c), a1);
-      a2 = _mm512_fmadd_ps(qv[c], load_kv(k2 + 16 * c), a2);
-      a3 = _mm512_fmadd_ps(qv[c], load_kv(k3 + 16 * c), a3);
+  alignas(64) __m512 acc[16];
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    for (int m = 0; m < 16; ++m) {
+      const int64_t j = j0 + m;
+      if (j >= L) {
+        acc[kSlot[m]] = _mm512_setzero_ps();
+        continue;
+      }
+      prefetch(keys, j + ahead);
+      const KT* k = keys + slots[j] * row;
+      __m512 kv[P];
+      C::load(k, kv);
+      __m512 a = _mm512_mul_ps(qv[0][0], kv[0]);
+      for (int x = 1; x < P; ++x) a = _mm512_fmadd_ps(qv[0][x], kv[x], a);
+      for (int c = 1; c < NC; ++c) {
+        C::load(k + E * c, kv);
+        for (int x = 0; x < P; ++x) a = _mm512_fmadd_ps(qv[c][x], kv[x], a);
+      }
+      acc[kSlot[m]] = a;
     }
-    p[j] = _mm512_reduce_add_ps(a0);
-    p[j + 1] = _mm512_reduce_add_ps(a1);
-    p[j + 2] = _mm512_reduce_add_ps(a2);
-    p[j + 3] = _mm512_reduce_add_ps(a3);
-  }
-  for (; j < L; ++j) {
-    const KT* k = keys + slots[j] * row;
-    __m512 acc = _mm512_mul_ps(qv[0], load_kv(k));
-    for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(qv[c], load_kv(k + 16 * c), acc);
-    p[j] = _mm512_reduce_add_ps(acc);
+    const __mmask16 m = L - j0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - j0)) - 1u);
+    _mm512_mask_storeu_ps(p + j0, m, reduce16(acc));
   }
   __m512 mv = _mm512_set1_ps(-INFINITY);
-  for (j = 0; j < L; j += 16) {
+  for (int64_t j = 0; j < L; j += 16) {
     const __mmask16 m = L - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - j)) - 1u);
     mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, p + j));
   }
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
   __m512 sv = _mm512_setzero_ps();
-  for (j = 0; j < L; j += 16) {
+  for (int64_t j = 0; j < L; j += 16) {
     const __mmask16 m = L - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - j)) - 1u);
-    const __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + j), mx));
+    const __m512 e = simd::exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + j), mx));
     _mm512_mask_storeu_ps(p + j, m, e);
     sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(m, e));
   }
-  for (j = 0; j < std::min(ahead, L); ++j) prefetch(values, j);
+  for (int64_t j = 0; j < std::min(ahead, L); ++j) prefetch(values, j);
   const float inv = 1.0f / _mm512_reduce_add_ps(sv);
-  __m512 ov[16];
-  for (int64_t c = 0; c < nv; ++c) ov[c] = _mm512_setzero_ps();
-  for (j = 0; j < L; ++j) {
+  __m512 o0[NC][P], o1[NC][P];
+  for (int c = 0; c < NC; ++c) {
+    for (int x = 0; x < P; ++x) o0[c][x] = o1[c][x] = _mm512_setzero_ps();
+  }
+  auto accumulate = [&](int64_t j, __m512(&ov)[NC][P]) TS_AVX512 {
     prefetch(values, j + ahead);
     const KT* v = values + slots[j] * row;
     const __m512 w = _mm512_set1_ps(p[j] * inv);
-    for (int64_t c = 0; c < nv; ++c) ov[c] = _mm512_fmadd_ps(w, load_kv(v + 16 * c), ov[c]);
+    for (int c = 0; c < NC; ++c) {
+      __m512 vv[P];
+      C::load(v + E * c, vv);
+      for (int x = 0; x < P; ++x) ov[c][x] = _mm512_fmadd_ps(w, vv[x], ov[c][x]);
+    }
+  };
+  int64_t j = 0;
+  for (; j + 2 <= L; j += 2) {
+    accumulate(j, o0);
+    accumulate(j + 1, o1);
   }
-  for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(o + 16 * c, ov[c]);
+  if (j < L) accumulate(j, o0);
+  for (int c = 0; c < NC; ++c) {
+    for (int x = 0; x < P; ++x) o0[c][x] = _mm512_add_ps(o0[c][x], o1[c][x]);
+    C::join(o0[c], o + E * c);
+  }
+}
+
+// head_avx512 for this head_dim (a multiple of 16 for fp32, of 32 for bf16, up to 256), or false.
+template <class KT>
+TS_AVX512 bool head_dispatch(int64_t hd, const float* q, const KT* keys, const KT* values, const int64_t* slots,
+                             int64_t L, int64_t row, float scale, float* p, float* o) {
+  constexpr int64_t E = Chunks<KT>::kElems;
+  if (hd % E != 0 || hd > 256) return false;
+  switch (hd / E) {
+#define TS_HEAD_CASE(n) \
+  case n: head_avx512<KT, n>(q, keys, values, slots, L, row, scale, p, o); return true;
+    TS_HEAD_CASE(1) TS_HEAD_CASE(2) TS_HEAD_CASE(3) TS_HEAD_CASE(4) TS_HEAD_CASE(5) TS_HEAD_CASE(6) TS_HEAD_CASE(7)
+    TS_HEAD_CASE(8)
+#undef TS_HEAD_CASE
+    default: break;
+  }
+  if constexpr (E == 16) {  // fp32 chunks: 9 to 16
+    switch (hd / E) {
+#define TS_HEAD_CASE(n) \
+  case n: head_avx512<KT, n>(q, keys, values, slots, L, row, scale, p, o); return true;
+      TS_HEAD_CASE(9) TS_HEAD_CASE(10) TS_HEAD_CASE(11) TS_HEAD_CASE(12) TS_HEAD_CASE(13) TS_HEAD_CASE(14)
+      TS_HEAD_CASE(15) TS_HEAD_CASE(16)
+#undef TS_HEAD_CASE
+      default: break;
+    }
+  }
+  return false;
 }
 
 using simd::widen;
@@ -132,8 +208,8 @@ void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const
       const int64_t h = t % heads;
       const float* q = it.q + h * hd;
       p.resize(static_cast<size_t>(it.length));
-      if (hd % 16 == 0 && hd <= 256 && have_avx512()) {
-        head_avx512<KT>(q, keys + h * hd, values + h * hd, it.slots, it.length, row, hd, scale, p.data(), it.out + h * hd);
+      if (have_avx512() &&
+          head_dispatch<KT>(hd, q, keys + h * hd, values + h * hd, it.slots, it.length, row, scale, p.data(), it.out + h * hd)) {
         continue;
       }
       float mx = -INFINITY;

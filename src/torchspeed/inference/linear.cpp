@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "torchspeed/inference/linear_bf16.h"
 #include "torchspeed/runtime/error.h"
@@ -67,12 +68,16 @@ ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, W
       break;
     }
   }
-  if (amx_) w_ = amx_pack(w_);
+  if (amx_) {
+    w_ = amx_pack(w_);
+    if (format == WeightFormat::kInt8) sums_ = amx_channel_sums(w_);
+  }
   if (bias.defined()) bias_ = bias.detach().to(at::kFloat).contiguous().clone();
 }
 
 int64_t ServingLinear::weight_bytes() const {
-  return w_.nbytes() + (scale_.defined() ? scale_.nbytes() : 0) + (bias_.defined() ? bias_.nbytes() : 0);
+  return w_.nbytes() + (scale_.defined() ? scale_.nbytes() : 0) + (sums_.defined() ? sums_.nbytes() : 0) +
+         (bias_.defined() ? bias_.nbytes() : 0);
 }
 
 at::Tensor ServingLinear::dense_weight() const {
@@ -288,7 +293,68 @@ void layer_norm_row_portable(const float* x, int64_t d, const float* w, const fl
   for (int64_t k = 0; k < d; ++k) out[k] = (x[k] - mean) * rstd * w[k] + b[k];
 }
 
+
+// GELU on 16 lanes. erf(z) = 1 - t p(t) e^(-z^2) with t = 1 / (1 + 0.3275911 |z|) and the
+// degree-5 polynomial of Abramowitz & Stegun 7.1.26 (error under 1.5e-7; torch's vectorized erf
+// is the same formula); tanh(u) = (1 - e^(-2|u|)) / (1 + e^(-2|u|)), sign restored.
+TS_AVX512 inline __m512 gelu16(__m512 x, bool tanh_form) {
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+  if (tanh_form) {
+    const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+    const __m512 au = _mm512_abs_ps(u);
+    const __m512 e = simd::exp_le0(_mm512_mul_ps(_mm512_set1_ps(-2.0f), au));
+    __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    th = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th),
+                                             _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(INT32_MIN))));
+    return _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, th));
+  }
+  const __m512 z = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));
+  const __m512 az = _mm512_abs_ps(z);
+  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), az, one));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+  const __m512 e = simd::exp_le0(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z, z)));
+  __m512 erf = _mm512_fnmadd_ps(_mm512_mul_ps(t, p), e, one);  // erf(|z|)
+  erf = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(erf),
+                                            _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(INT32_MIN))));
+  return _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, erf));
+}
+
+TS_AVX512 void activate_avx512(float* y, int64_t rows, int64_t N, int64_t o0, int64_t o1, bool tanh_form) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = y + r * N;
+    for (int64_t o = o0; o < o1; o += 16) {
+      const __mmask16 m = o1 - o >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (o1 - o)) - 1u);
+      _mm512_mask_storeu_ps(row + o, m, gelu16(_mm512_maskz_loadu_ps(m, row + o), tanh_form));
+    }
+  }
+}
 }  // namespace
+
+Activation activation_for_gelu(const char* approximate) {
+  const std::string a = approximate;
+  TS_CHECK(a == "none" || a == "tanh", "gelu approximate must be \"none\" or \"tanh\", got \"", a, "\"");
+  return a == "tanh" ? Activation::kGeluTanh : Activation::kGelu;
+}
+
+void activate(float* y, int64_t rows, int64_t N, int64_t o0, int64_t o1, Activation act) {
+  if (act == Activation::kNone || rows <= 0 || o1 <= o0) return;
+  const bool tanh_form = act == Activation::kGeluTanh;
+  if (have_avx512()) {
+    activate_avx512(y, rows, N, o0, o1, tanh_form);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = o0; o < o1; ++o) {
+      float& v = y[r * N + o];
+      v = tanh_form ? 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                    : 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+    }
+  }
+}
 
 void layer_norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), d = x.size(1);
@@ -323,8 +389,8 @@ void ServingLinear::add_bias(at::Tensor& y) const {
   if (bias_.defined()) y.add_(bias_);
 }
 
-at::Tensor ServingLinear::forward(const at::Tensor& x, int64_t row_kernel_rows, bool add_bias) const {
-  return run(x, row_kernel_rows, add_bias, nullptr);
+at::Tensor ServingLinear::forward(const at::Tensor& x, int64_t row_kernel_rows, bool add_bias, Activation act) const {
+  return run(x, row_kernel_rows, add_bias, nullptr, act);
 }
 
 void ServingLinear::forward_add(const at::Tensor& x, int64_t row_kernel_rows, at::Tensor& residual) const {
@@ -332,19 +398,21 @@ void ServingLinear::forward_add(const at::Tensor& x, int64_t row_kernel_rows, at
                          residual.size(0) == x.size(0) && residual.size(1) == out_,
                      "serving linear: residual must be contiguous fp32 [", x.size(0), ", ", out_, "], got ",
                      residual.sizes());
-  run(x, row_kernel_rows, true, residual.data_ptr<float>());
+  run(x, row_kernel_rows, true, residual.data_ptr<float>(), Activation::kNone);
 }
 
-at::Tensor ServingLinear::run(const at::Tensor& x_in, int64_t row_kernel_rows, bool with_bias, float* residual) const {
+at::Tensor ServingLinear::run(const at::Tensor& x_in, int64_t row_kernel_rows, bool with_bias, float* residual,
+                              Activation act) const {
   TS_INTERNAL_ASSERT(x_in.dim() == 2 && x_in.size(1) == in_, "serving linear expects [rows, ", in_, "], got ",
                      x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, out_}, x.options());
-  const OutputStage stage{with_bias && bias_.defined() ? bias_.data_ptr<float>() : nullptr, residual};
+  const OutputStage stage{with_bias && bias_.defined() ? bias_.data_ptr<float>() : nullptr, residual, act};
   if (amx_) {  // every row, prompt chunks too: see Note [AMX tiles]
-    amx_dot_rows(x.data_ptr<float>(), M, in_, out_, w_, format_ == WeightFormat::kInt8 ? scale_.data_ptr<float>() : nullptr,
-                 y.data_ptr<float>(), stage);
+    const bool int8 = format_ == WeightFormat::kInt8;
+    amx_dot_rows(x.data_ptr<float>(), M, in_, out_, w_, int8 ? scale_.data_ptr<float>() : nullptr,
+                 int8 ? sums_.data_ptr<int32_t>() : nullptr, y.data_ptr<float>(), stage);
     return y;
   }
   if (bf16_dot_) {  // every row, prompt chunks too: see Note [bf16 dot products]
@@ -363,7 +431,7 @@ at::Tensor ServingLinear::run(const at::Tensor& x_in, int64_t row_kernel_rows, b
     at::Tensor yr = y.narrow(0, kr, M - kr);
     at::mm_out(yr, x.narrow(0, kr, M - kr), dense_weight().t());
     at::parallel_for(0, M - kr, 16, [&](int64_t b, int64_t e) {
-      const OutputStage rest{stage.bias, residual ? residual + (kr + b) * out_ : nullptr};
+      const OutputStage rest{stage.bias, residual ? residual + (kr + b) * out_ : nullptr, act};
       rest.apply(yr.data_ptr<float>() + b * out_, e - b, out_, 0, out_);
     });
   }

@@ -30,10 +30,12 @@ class ServingLinear {
   ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot = false,
                 bool amx = true);
 
-  // x [rows, in] fp32 contiguous -> [rows, out] fp32, bias added unless `add_bias` is false.
-  // Rows [0, row_kernel_rows) always go through the row kernel, so each of them gets the same
-  // bits whatever else is in the batch; the rest use a GEMM when there are many of them.
-  at::Tensor forward(const at::Tensor& x, int64_t row_kernel_rows, bool add_bias = true) const;
+  // x [rows, in] fp32 contiguous -> [rows, out] fp32, bias added unless `add_bias` is false, then
+  // `act` (inside the kernel, block by block, while the block is in cache). Rows [0,
+  // row_kernel_rows) always go through the row kernel, so each of them gets the same bits
+  // whatever else is in the batch; the rest use a GEMM when there are many of them.
+  at::Tensor forward(const at::Tensor& x, int64_t row_kernel_rows, bool add_bias = true,
+                     Activation act = Activation::kNone) const;
   // residual [rows, out] fp32 contiguous += forward(x, row_kernel_rows), bias included, added
   // block by block inside the kernel: the bits of forward followed by residual.add_().
   void forward_add(const at::Tensor& x, int64_t row_kernel_rows, at::Tensor& residual) const;
@@ -49,7 +51,7 @@ class ServingLinear {
   at::Tensor dense_weight() const;
 
  private:
-  at::Tensor run(const at::Tensor& x, int64_t row_kernel_rows, bool with_bias, float* residual) const;
+  at::Tensor run(const at::Tensor& x, int64_t row_kernel_rows, bool with_bias, float* residual, Activation act) const;
   void rows_kernel(const float* x, int64_t rows, float* y, const OutputStage& stage) const;
   WeightFormat format_ = WeightFormat::kFP32;
   bool bf16_dot_ = false;
@@ -57,6 +59,7 @@ class ServingLinear {
   int64_t in_ = 0, out_ = 0;
   at::Tensor w_;      // [out, in] in the storage dtype (int8 for kInt8); amx_pack's order with amx_
   at::Tensor scale_;  // [out] fp32, kInt8 only
+  at::Tensor sums_;   // int32 channel sums of the packed int8 weights (amx_channel_sums), kInt8 with amx_
   at::Tensor bias_;   // [out] fp32 or undefined
 };
 

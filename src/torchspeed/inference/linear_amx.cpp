@@ -5,9 +5,9 @@
 // weights into a 16 x 16 tile of accumulators in one instruction (8192 bf16 or 16384 int8
 // multiply-adds). The weights are stored once in B-tile order (`amx_pack`: 1 KB tiles of 16
 // channels, a 16-channel strip's tiles one after the other along k), so a thread streams its
-// channels as one contiguous read, two strips side by side, with software prefetch for one or
-// two rows as the other kernels. A tile configured with fewer rows loads and multiplies only
-// those, so one decode row does a sixteenth of a full tile's work.
+// channels as one contiguous read, two strips side by side. A tile configured with fewer rows
+// loads only those, but a tile product takes as long for 1 row as for 16 (about 19 ns here,
+// whatever the rows; a tile load from L1 about 10 ns).
 //
 // bf16 weights (TDPBF16PS): the activations are rounded to bf16 as in the dot-product path;
 // each output is one fp32 accumulator, zeroed, then one instruction per 32 k in order.
@@ -24,12 +24,18 @@
 // within |x| / 256 at worst: the fixed point is the finer for every element above about
 // max|x| / 256, and the sum adds no rounding.
 //
+// int8 weights for up to kVnniRows rows (a decode step's usual batch): two tile products per
+// 1 KB of weights held one row to 13 GB/s per core, below the memory's rate (a batch-1 int8 step
+// at 61% of its bandwidth limit). VPDPBUSD over the same packed weights computes the same exact
+// integer sums in a fraction of the time (int8_vnni_pass), so the step is bound by the weight
+// stream again.
+//
 // Every output (row, channel) depends only on its row and channel: the hardware computes a row
 // of the accumulator tile from that row of the activation tile alone, the integer sums are
-// exact, and the fixed-point scale is the row's own. So a row gets the same bits alone, in a
-// batch of 16 or inside a prompt chunk. A CPU with AMX uses these tiles for every row count
-// (mixing them with VDPBF16PS for some counts would change bits with the batch); one without
-// uses the dot products.
+// exact (on tiles or VPDPBUSD alike), and the fixed-point scale is the row's own. So a row gets
+// the same bits alone, in a batch of 16 or inside a prompt chunk. A CPU with AMX uses these
+// kernels for every row count (mixing them with VDPBF16PS for some counts would change bf16 bits
+// with the batch); one without uses the dot products.
 #include "torchspeed/inference/linear_amx.h"
 
 #include <ATen/ATen.h>
@@ -47,6 +53,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -86,12 +93,12 @@ at::Tensor amx_unpack(const at::Tensor& packed, int64_t N, int64_t K) {
 namespace {
 
 #define TS_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16,amx-int8")))
+#define TS_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 constexpr int64_t kTile = 512;  // bf16 (or int8) elements in a B tile
 
 // Palette 1, every tile 64 bytes wide: tiles 0-5 (accumulators and activations) have the rows
-// given, 6-7 (weights) 16. A tile of fewer rows loads and multiplies only those: one decode row
-// costs a sixteenth of a full tile's work.
+// given, 6-7 (weights) 16. A tile of fewer rows loads and stores only those.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -209,24 +216,35 @@ TS_AMX void bf16_block(const uint16_t* xa, int64_t rows, int64_t Kp, const uint1
 
 // int8 weights: the activations as 16-bit fixed point per row, q = h * 256 + l with a signed
 // high byte h and an unsigned low byte l (Note [AMX tiles]).
+// For the VNNI path (`biased`), the high bytes are stored as h + 128 (unsigned).
 struct FixedRows {
-  std::vector<int8_t> hi;
+  std::vector<uint8_t> hi;  // h, or h + 128 when biased
   std::vector<uint8_t> lo;
   std::vector<float> step;  // x ~ q * step, per row
+  bool biased = false;
 };
 
-// One row into hi and lo, which arrive zeroed (so k from K to Kp stays 0): step = max|x| / 32767, q = x * (32767 / max|x|) rounded to nearest even, in fp32.
-// A row of zeros has step 0; a row with inf or NaN gets step NaN, so its outputs are NaN.
-TS_AMX void fix_row(const float* x, int64_t K, int64_t Kp, int8_t* hi, uint8_t* lo, float* step) {
-  __m512 mx = _mm512_setzero_ps();
+// One row into hi and lo, which arrive holding the fixed point of 0 (so k from K to Kp stays 0):
+// step = max|x| / 32767, q = x * (32767 / max|x|) rounded to nearest even, in fp32; the high
+// byte xor `bias` (0, or 0x80 for h + 128). A row of zeros has step 0; a row with inf or NaN gets
+// step NaN, so its outputs are NaN.
+TS_AMX void fix_row(const float* x, int64_t K, uint8_t* hi, uint8_t* lo, float* step, uint8_t bias) {
+  // The maximum, and x * 0 summed: NaN exactly when some element is inf or NaN (max_ps drops NaN).
+  __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1u);
-  if (k < K) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + k)));
-  float m = _mm512_reduce_max_ps(mx);
-  for (int64_t i = 0; i < K; ++i) {
-    if (!std::isfinite(x[i])) m = std::numeric_limits<float>::quiet_NaN();  // (max_ps drops NaN)
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));
   }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1u);
+  if (k < K) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail, x + k);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));
+  }
+  float m = _mm512_reduce_max_ps(mx);
+  if (_mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0) m = std::numeric_limits<float>::quiet_NaN();
   if (!(m > 0.0f) || !std::isfinite(m)) {
     *step = m == 0.0f ? 0.0f : std::numeric_limits<float>::quiet_NaN();
     return;
@@ -235,7 +253,8 @@ TS_AMX void fix_row(const float* x, int64_t K, int64_t Kp, int8_t* hi, uint8_t* 
   const __m512 inv = _mm512_set1_ps(32767.0f / m);
   auto put = [&](int64_t at, __m512 v, __mmask16 msk) TS_AMX {
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // round to nearest even
-    _mm_mask_storeu_epi8(hi + at, msk, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+    const __m512i h = _mm512_xor_si512(_mm512_srai_epi32(q, 8), _mm512_set1_epi32(bias));
+    _mm_mask_storeu_epi8(hi + at, msk, _mm512_cvtepi32_epi8(h));
     _mm_mask_storeu_epi8(lo + at, msk, _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255))));
   };
   for (k = 0; k + 16 <= K; k += 16) put(k, _mm512_loadu_ps(x + k), static_cast<__mmask16>(0xFFFF));
@@ -244,7 +263,7 @@ TS_AMX void fix_row(const float* x, int64_t K, int64_t Kp, int8_t* hi, uint8_t* 
 
 // c_hi, c_lo [16 x 32] int32 (row stride 32) = one row tile of the high and low bytes times NT
 // int8 channel strips, over KT tiles of 64 k. The low bytes are unsigned (TDPBUSD).
-template <int NT, bool Prefetch>
+template <int NT>
 TS_AMX void int8_pass(const int8_t* hi, const uint8_t* lo, int64_t lda, const int8_t* b, int64_t strip, int64_t KT,
                       int32_t* c_hi, int32_t* c_lo) {
   const int8_t* b1 = b + strip;
@@ -255,10 +274,6 @@ TS_AMX void int8_pass(const int8_t* hi, const uint8_t* lo, int64_t lda, const in
     _tile_zero(3);
   }
   for (int64_t kt = 0; kt < KT; ++kt) {
-    if constexpr (Prefetch) {
-      simd::prefetch_lines(reinterpret_cast<const char*>(b + (kt + kAheadTiles) * 2 * kTile), 2 * kTile);
-      if constexpr (NT == 2) simd::prefetch_lines(reinterpret_cast<const char*>(b1 + (kt + kAheadTiles) * 2 * kTile), 2 * kTile);
-    }
     _tile_loadd(4, hi + kt * 64, lda);
     _tile_loadd(5, lo + kt * 64, lda);
     _tile_loadd(6, b + kt * 2 * kTile, 64);
@@ -278,31 +293,105 @@ TS_AMX void int8_pass(const int8_t* hi, const uint8_t* lo, int64_t lda, const in
   }
 }
 
+// One to kVnniRows rows over the same packed int8 weights with VPDPBUSD (AVX512-VNNI) instead of
+// tiles: a tile product costs the same for 1 row as for 16 (about 19 ns each here, two per 1 KB
+// tile), so one decode row on tiles ran at 13 GB/s per core, below the memory's rate. A 64-byte
+// row of a B tile is 16 channels x 4 consecutive k, so one VPDPBUSD with the row's 4 bytes at
+// that k broadcast adds those 4 products into each channel's int32 lane. VPDPBUSD multiplies
+// unsigned by signed bytes: the low bytes are unsigned already, the high bytes go in as h + 128
+// (h xor 0x80) and 128 times the channel's weight sum (`sums`) comes off. Both sums are the
+// exact integers the tiles compute, so a row gets the same bits on either path.
+template <int R, int NT>
+TS_VNNI void int8_vnni_pass(const uint8_t* hib, const uint8_t* lo, int64_t lda, const int8_t* b, int64_t strip,
+                           int64_t KT, const int32_t* sums, int32_t* c_hi, int32_t* c_lo) {
+  const int8_t* b1 = b + strip;
+  __m512i ah[R][NT], al[R][NT];
+  for (int r = 0; r < R; ++r) {
+    for (int s = 0; s < NT; ++s) ah[r][s] = al[r][s] = _mm512_setzero_si512();
+  }
+  for (int64_t kt = 0; kt < KT; ++kt) {
+    simd::prefetch_lines(reinterpret_cast<const char*>(b + (kt + kAheadTiles) * 2 * kTile), 2 * kTile);
+    if constexpr (NT == 2) simd::prefetch_lines(reinterpret_cast<const char*>(b1 + (kt + kAheadTiles) * 2 * kTile), 2 * kTile);
+    const int8_t* t0 = b + kt * 2 * kTile;
+    const int8_t* t1 = b1 + kt * 2 * kTile;
+    for (int64_t g = 0; g < 16; ++g) {
+      const __m512i w0 = _mm512_loadu_si512(t0 + 64 * g);
+      const __m512i w1 = NT == 2 ? _mm512_loadu_si512(t1 + 64 * g) : w0;
+      for (int r = 0; r < R; ++r) {
+        int32_t h4, l4;
+        std::memcpy(&h4, hib + r * lda + kt * 64 + 4 * g, 4);
+        std::memcpy(&l4, lo + r * lda + kt * 64 + 4 * g, 4);
+        const __m512i xh = _mm512_set1_epi32(h4), xl = _mm512_set1_epi32(l4);
+        ah[r][0] = _mm512_dpbusd_epi32(ah[r][0], xh, w0);
+        al[r][0] = _mm512_dpbusd_epi32(al[r][0], xl, w0);
+        if constexpr (NT == 2) {
+          ah[r][NT - 1] = _mm512_dpbusd_epi32(ah[r][NT - 1], xh, w1);
+          al[r][NT - 1] = _mm512_dpbusd_epi32(al[r][NT - 1], xl, w1);
+        }
+      }
+    }
+  }
+  for (int s = 0; s < NT; ++s) {
+    const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * s), 7);  // 128 * sum
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_si512(c_hi + r * 32 + 16 * s, _mm512_sub_epi32(ah[r][s], off));
+      _mm512_storeu_si512(c_lo + r * 32 + 16 * s, al[r][s]);
+    }
+  }
+}
+
+template <int R>
+TS_VNNI void int8_vnni(bool two, const FixedRows& xq, int64_t Kp, const int8_t* b, int64_t strip, int64_t KT,
+                      const int32_t* sums, int32_t* c_hi, int32_t* c_lo) {
+  if (two) int8_vnni_pass<R, 2>(xq.hi.data(), xq.lo.data(), Kp, b, strip, KT, sums, c_hi, c_lo);
+  else int8_vnni_pass<R, 1>(xq.hi.data(), xq.lo.data(), Kp, b, strip, KT, sums, c_hi, c_lo);
+}
+
+// y[r, j] = fp32((256 hi + lo) * step[r] * scale[j]) for rows [0, rc) x channels [0, oc): the
+// sum in double is exact (|q| < 2^53), then two products in double, rounded once to fp32.
+TS_AMX void int8_out(int64_t rc, const int32_t* c_hi, const int32_t* c_lo, const float* step, const float* scale,
+                     int64_t oc, float* y, int64_t N) {
+  for (int64_t r = 0; r < rc; ++r) {
+    const __m512d st = _mm512_set1_pd(static_cast<double>(step[r]));
+    for (int64_t j = 0; j < oc; j += 8) {
+      const auto m = static_cast<__mmask8>(oc - j >= 8 ? 0xFF : (1u << (oc - j)) - 1u);
+      const __m512d h = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c_hi + r * 32 + j)));
+      const __m512d l = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c_lo + r * 32 + j)));
+      const __m512d q = _mm512_fmadd_pd(h, _mm512_set1_pd(256.0), l);  // exact
+      const __m512d sc = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, scale + j));
+      _mm256_mask_storeu_ps(y + r * N + j, m, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(q, st), sc)));
+    }
+  }
+}
+
 TS_AMX void int8_block(const FixedRows& xq, int64_t rows, int64_t Kp, const int8_t* w, const float* scale,
-                       int64_t o0, int64_t o1, float* y, int64_t N) {
+                       const int32_t* sums, int64_t o0, int64_t o1, float* y, int64_t N) {
   const int64_t KT = Kp / 64, strip = KT * 2 * kTile;
   alignas(64) int32_t c_hi[16 * 32], c_lo[16 * 32];
+  const bool vnni = xq.biased;
   Tiles tiles;
   for (int64_t o = o0; o < o1; o += 32) {
     const bool two = o + 16 < o1;
     const int8_t* b = w + (o / 16) * strip;
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-      const auto r = static_cast<uint8_t>(std::min<int64_t>(16, rows - m0));  // every tile but the weights'
-      tiles.use({r, r, r, r, r, r});
-      const int8_t* hi = xq.hi.data() + m0 * Kp;
-      const uint8_t* lo = xq.lo.data() + m0 * Kp;
-      if (rows <= 2) {
-        if (two) int8_pass<2, true>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
-        else int8_pass<1, true>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
+      if (vnni) {
+        switch (rows) {
+          case 1: int8_vnni<1>(two, xq, Kp, b, strip, KT, sums + o, c_hi, c_lo); break;
+          case 2: int8_vnni<2>(two, xq, Kp, b, strip, KT, sums + o, c_hi, c_lo); break;
+          case 3: int8_vnni<3>(two, xq, Kp, b, strip, KT, sums + o, c_hi, c_lo); break;
+          default: int8_vnni<4>(two, xq, Kp, b, strip, KT, sums + o, c_hi, c_lo); break;
+        }
       } else {
-        if (two) int8_pass<2, false>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
-        else int8_pass<1, false>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
+        const auto r = static_cast<uint8_t>(std::min<int64_t>(16, rows - m0));  // every tile but the weights'
+        tiles.use({r, r, r, r, r, r});
+        const auto* hi = reinterpret_cast<const int8_t*>(xq.hi.data()) + m0 * Kp;
+        const uint8_t* lo = xq.lo.data() + m0 * Kp;
+        if (two) int8_pass<2>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
+        else int8_pass<1>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
       }
       // The integer sum is exact; one product in double, rounded once to fp32.
-      copy_out(std::min(rows, m0 + 16), m0, o, o1, N, y, [&](int64_t r, int64_t j) {
-        const int64_t q = 256 * static_cast<int64_t>(c_hi[r * 32 + j]) + c_lo[r * 32 + j];
-        return static_cast<float>(static_cast<double>(q) * static_cast<double>(xq.step[m0 + r]) * static_cast<double>(scale[o + j]));
-      });
+      int8_out(std::min<int64_t>(16, rows - m0), c_hi, c_lo, xq.step.data() + m0, scale + o, std::min<int64_t>(32, o1 - o),
+               y + m0 * N + o, N);
     }
   }
 }
@@ -310,29 +399,32 @@ TS_AMX void int8_block(const FixedRows& xq, int64_t rows, int64_t Kp, const int8
 }  // namespace
 
 void amx_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const at::Tensor& packed, const float* scale,
-                  float* y, const OutputStage& stage) {
+                  const int32_t* sums, float* y, const OutputStage& stage) {
   TS_INTERNAL_ASSERT(have_amx(), "AMX tiles need AMX-BF16 and AMX-INT8");
   const bool int8 = packed.scalar_type() == at::kChar;
   const int64_t tile_k = int8 ? 64 : 32, Kp = (K + tile_k - 1) / tile_k * tile_k;
   TS_INTERNAL_ASSERT(packed.dim() == 5 && packed.size(0) * 16 >= N && packed.size(1) * tile_k == Kp &&
-                         (scale != nullptr) == int8,
+                         (scale != nullptr) == int8 && (sums != nullptr) == int8,
                      "amx_dot_rows: packed ", packed.sizes(), " for [", N, ", ", K, "]");
   if (rows <= 0 || N <= 0) return;
   const int64_t blk = int8 ? 64 : std::max<int64_t>(32, channel_block(rows));  // two strips at a time
   const int64_t blocks = (N + blk - 1) / blk;
   if (int8) {
-    FixedRows xq;
+    thread_local FixedRows buffers;
+    FixedRows& xq = buffers;  // the calling thread's (a lambda naming `buffers` would get its own thread's)
+    xq.biased = rows <= kVnniRows && have_avx512_vnni();
+    const uint8_t zero_hi = xq.biased ? 0x80 : 0;
     // Rows only: a tile configured with fewer than 16 rows reads no others.
-    xq.hi.assign(static_cast<size_t>(rows * Kp), 0);
+    xq.hi.assign(static_cast<size_t>(rows * Kp), zero_hi);
     xq.lo.assign(static_cast<size_t>(rows * Kp), 0);
     xq.step.assign(static_cast<size_t>(rows), 0.0f);
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) fix_row(x + r * K, K, Kp, xq.hi.data() + r * Kp, xq.lo.data() + r * Kp, &xq.step[r]);
+      for (int64_t r = b; r < e; ++r) fix_row(x + r * K, K, xq.hi.data() + r * Kp, xq.lo.data() + r * Kp, &xq.step[r], zero_hi);
     });
     const int8_t* w = packed.data_ptr<int8_t>();
     dynamic_blocks(blocks, [&](int64_t b) {
       const int64_t o0 = b * blk, o1 = std::min(N, o0 + blk);
-      int8_block(xq, rows, Kp, w, scale, o0, o1, y, N);
+      int8_block(xq, rows, Kp, w, scale, sums, o0, o1, y, N);
       stage.apply(y, rows, N, o0, o1);
     });
     return;
@@ -345,6 +437,22 @@ void amx_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const at::
     bf16_block(xa.data(), rows, Kp, w, o0, o1, y, N);
     stage.apply(y, rows, N, o0, o1);
   });
+}
+
+at::Tensor amx_channel_sums(const at::Tensor& packed) {
+  TS_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kChar && packed.size(2) == 16 && packed.size(3) == 16 &&
+               packed.size(4) == 4,
+           "amx_channel_sums: expects int8 weights packed by amx_pack, got ", packed.scalar_type(), " ", packed.sizes());
+  // [strip, k tile, k group, channel, 4] -> [strip, channel]
+  return packed.to(at::kInt).sum({1, 2, 4}, false, at::kInt).reshape({-1}).contiguous();
+}
+
+bool have_avx512_vnni() {
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((c >> 11) & 1u) && __builtin_cpu_supports("avx512bw");
+  }();
+  return yes;
 }
 
 }  // namespace torchspeed::inference

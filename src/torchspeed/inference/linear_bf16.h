@@ -6,18 +6,31 @@
 
 namespace torchspeed::inference {
 
+// An activation a serving linear applies to its output, after the bias: GELU with erf, or with
+// tanh (`approximate="tanh"`), as torch's gelu.
+enum class Activation { kNone, kGelu, kGeluTanh };
+Activation activation_for_gelu(const char* approximate);  // "none" | "tanh"
+
+// y[r, o] = act(y[r, o]) for rows [0, rows) x channels [o0, o1) of y [rows, N]: erf (or tanh)
+// from exp, as torch's vectorized gelu computes it, to within 3e-7 of the exact function times
+// max(1, |y|). Elementwise, the same bits for an element wherever it sits.
+void activate(float* y, int64_t rows, int64_t N, int64_t o0, int64_t o1, Activation act);
+
 // What a serving linear does to a block of its output [rows, N] x channels [o0, o1) while the
-// block is in cache: y[r, o] += bias[o], then residual[r, o] += y[r, o]. The bits are those of
-// y.add_(bias) followed by residual.add_(y), one rounding each, for every row alike.
+// block is in cache: y[r, o] += bias[o], then y = act(y), then residual[r, o] += y[r, o]. The
+// bits of the adds are those of y.add_(bias) followed by residual.add_(y), one rounding each, for
+// every row alike.
 struct OutputStage {
   const float* bias = nullptr;  // [N], or none
   float* residual = nullptr;    // [rows, N], or none
+  Activation act = Activation::kNone;
   void apply(float* y, int64_t rows, int64_t N, int64_t o0, int64_t o1) const {
     if (bias) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t o = o0; o < o1; ++o) y[r * N + o] += bias[o];
       }
     }
+    if (act != Activation::kNone) activate(y, rows, N, o0, o1, act);
     if (residual) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t o = o0; o < o1; ++o) residual[r * N + o] += y[r * N + o];

@@ -93,6 +93,7 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
   const int tps = tp_ ? tp_->size() : 1, tpr = tp_ ? tp_->rank() : 0;
   TS_CHECK(cfg_.n_head % tps == 0, "model.n_head ", cfg_.n_head, " does not divide by --tp ", tps);
   heads_ = cfg_.n_head / tps;
+  gelu_ = activation_for_gelu(cfg_.gelu_approximate());
   hd_ = cfg_.d_model / cfg_.n_head;
   Params p;
   p.source = model.source;
@@ -219,8 +220,7 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
       L.proj.forward_add(y.view({N, dl}), decode_rows, x);
     }
     layer_norm_rows(x, L.ln2_w, L.ln2_b, eps, h);
-    at::Tensor f = L.fc.forward(h, decode_rows);
-    at::gelu_(f, cfg_.gelu_approximate());
+    const at::Tensor f = L.fc.forward(h, decode_rows, /*add_bias=*/true, gelu_);
     if (tp_) {
       at::Tensor m = L.mlp.forward(f, decode_rows, /*add_bias=*/false);
       tp_->all_reduce(m);

@@ -71,6 +71,7 @@ class InferenceModel {
   models::GPTConfig cfg_;
   comm::CommunicatorPtr tp_;
   int64_t heads_, hd_;
+  Activation gelu_ = Activation::kGelu;  // inside the fc kernel
   at::Tensor tok_, pos_, lnf_w_, lnf_b_;
   ServingLinear head_;
   std::vector<Layer> layers_;

@@ -37,6 +37,23 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512bh 
   return _mm512_cvtne2ps_pbh(hi, lo);  // lo in lanes 0-15, hi in 16-31: the order of k
 }
 
+// e^x for x <= 0, 16 lanes: x = n ln2 + f with |f| <= ln2 / 2 (ln2 split in two for an exact
+// n ln2), e^f by its degree-6 Taylor polynomial (relative error under 2e-7), times 2^n by
+// scalef, which also takes lanes below e^-87 to zero.
+__attribute__((target("avx512f"))) inline __m512 exp_le0(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // The software prefetch of the one- and two-row kernels: requests the cache lines of
 // [p, p + bytes) (at least one line). The hardware prefetcher alone leaves one or two rows'
 // weight streams waiting on memory (Note [bf16 dot products]).
