@@ -92,7 +92,8 @@ int run_linear(const BenchArgs& args) {
   }
   if (inference::have_amx()) {
     ours.push_back({WeightFormat::kBF16, true, true, "ours bf16 AMX"});
-    ours.push_back({WeightFormat::kInt8, true, true, "ours int8 AMX"});
+    // int8 on tiles from kVnniRows + 1 rows up, VPDPBUSD below (Note [AMX tiles])
+    ours.push_back({WeightFormat::kInt8, true, true, inference::have_avx512_vnni() ? "ours int8 AMX/VNNI" : "ours int8 AMX"});
   }
   for (const Ours& o : ours) {
     auto lin = std::make_shared<std::vector<ServingLinear>>();
