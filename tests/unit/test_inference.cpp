@@ -257,7 +257,7 @@ TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
         for (int64_t r : {0, 1, 2, 13, 16, 39}) {
           const at::Tensor alone = l.forward(x.narrow(0, r, 1), 1)[0];
           EXPECT_TRUE(at::equal(alone, y[r])) << what << " row " << r;
-          for (int64_t n : {2, 3, 16, 17}) {
+          for (int64_t n : {2, 3, 4, 5, 16, 17}) {
             if (r < n) {
               EXPECT_TRUE(at::equal(alone, l.forward(x.narrow(0, 0, n), n)[r])) << what << " row " << r << " of " << n;
             }
@@ -305,6 +305,13 @@ TEST(ServingLinear, GeluInsideTheKernel) {
         }
       }
     }
+  }
+  // Far out and at infinity, as at::gelu: y, -0, inf.
+  const at::Tensor big = at::tensor({1e6f, -1e6f, 1e8f, -1e8f, 3e38f, -3e38f, std::numeric_limits<float>::infinity()});
+  for (const char* approx : {"none", "tanh"}) {
+    at::Tensor y = big.clone().unsqueeze(0);
+    activate(y.data_ptr<float>(), 1, y.size(1), 0, y.size(1), activation_for_gelu(approx));
+    EXPECT_TRUE(at::equal(y[0], at::gelu(big.to(at::kDouble), approx).to(at::kFloat))) << approx << ": " << y;
   }
   EXPECT_THROW(activation_for_gelu("erf"), std::exception);
   at::set_num_threads(threads);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace torchspeed::inference {
@@ -60,6 +61,16 @@ struct Chunks<uint16_t> {
   }
 };
 
+// bf16 rows whose head_dim is an odd multiple of 16: 16 elements per chunk, widened in order.
+struct Bf16Chunks16 {
+  static constexpr int kElems = 16, kParts = 1;
+  TS_AVX512 static void load(const uint16_t* p, __m512* v) {
+    v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  TS_AVX512 static void split(const float* x, __m512* v) { v[0] = _mm512_loadu_ps(x); }
+  TS_AVX512 static void join(const __m512* v, float* out) { _mm512_storeu_ps(out, v[0]); }
+};
+
 // The sums of 16 vectors' lanes, one per lane: v[i] must hold key kSlot[i]'s products, so lane m
 // of the result is key m's score (a fixed tree of adds: the same bits for a key wherever it is).
 constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
@@ -77,15 +88,15 @@ TS_AVX512 inline __m512 reduce16(const __m512* v) {
                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
 }
 
-// One (sequence, head), NC chunks of head_dim. Scores 16 keys at a time: each key's products in
-// one vector (one FMA chain over the chunks), the 16 vectors summed lane-wise by one tree
+// One (sequence, head), NC chunks (C) of head_dim. Scores 16 keys at a time: each key's products
+// in one vector (one FMA chain over the chunks), the 16 vectors summed lane-wise by one tree
 // (reduce16) instead of a reduction each; softmax 16 scores at a time; then the weighted sum of
 // values with two sets of accumulators (even and odd positions, added at the end) so that the
-// FMA latency does not bound it.
-template <class KT, int NC>
+// FMA latency does not bound it. head_dim is a template parameter so that the accumulators can
+// live in registers (up to head_dim 128; beyond, the compiler spills some).
+template <class KT, class C, int NC>
 TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, const int64_t* slots, int64_t L,
                            int64_t row, float scale, float* p, float* o) {
-  using C = Chunks<KT>;
   constexpr int P = C::kParts, E = C::kElems;
   __m512 qv[NC][P];
   for (int c = 0; c < NC; ++c) {
@@ -167,31 +178,34 @@ TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, con
   }
 }
 
-// head_avx512 for this head_dim (a multiple of 16 for fp32, of 32 for bf16, up to 256), or false.
+// head_avx512 for this head_dim with chunks C (NC up to 16), or false.
+template <class KT, class C>
+TS_AVX512 bool head_dispatch_c(int64_t nc, const float* q, const KT* keys, const KT* values, const int64_t* slots,
+                               int64_t L, int64_t row, float scale, float* p, float* o) {
+  switch (nc) {
+#define TS_HEAD_CASE(n) \
+  case n: head_avx512<KT, C, n>(q, keys, values, slots, L, row, scale, p, o); return true;
+    TS_HEAD_CASE(1) TS_HEAD_CASE(2) TS_HEAD_CASE(3) TS_HEAD_CASE(4) TS_HEAD_CASE(5) TS_HEAD_CASE(6) TS_HEAD_CASE(7)
+    TS_HEAD_CASE(8) TS_HEAD_CASE(9) TS_HEAD_CASE(10) TS_HEAD_CASE(11) TS_HEAD_CASE(12) TS_HEAD_CASE(13)
+    TS_HEAD_CASE(14) TS_HEAD_CASE(15) TS_HEAD_CASE(16)
+#undef TS_HEAD_CASE
+    default: return false;
+  }
+}
+
+// head_dim a multiple of 16 up to 256: fp32 in chunks of 16; bf16 in chunks of 32 (even/odd
+// halves), or of 16 when head_dim is an odd multiple of 16. Otherwise false.
 template <class KT>
 TS_AVX512 bool head_dispatch(int64_t hd, const float* q, const KT* keys, const KT* values, const int64_t* slots,
                              int64_t L, int64_t row, float scale, float* p, float* o) {
-  constexpr int64_t E = Chunks<KT>::kElems;
-  if (hd % E != 0 || hd > 256) return false;
-  switch (hd / E) {
-#define TS_HEAD_CASE(n) \
-  case n: head_avx512<KT, n>(q, keys, values, slots, L, row, scale, p, o); return true;
-    TS_HEAD_CASE(1) TS_HEAD_CASE(2) TS_HEAD_CASE(3) TS_HEAD_CASE(4) TS_HEAD_CASE(5) TS_HEAD_CASE(6) TS_HEAD_CASE(7)
-    TS_HEAD_CASE(8)
-#undef TS_HEAD_CASE
-    default: break;
+  if (hd % 16 != 0 || hd > 256) return false;
+  if constexpr (std::is_same_v<KT, float>) {
+    return head_dispatch_c<KT, Chunks<float>>(hd / 16, q, keys, values, slots, L, row, scale, p, o);
+  } else if (hd % 32 == 0) {
+    return head_dispatch_c<KT, Chunks<uint16_t>>(hd / 32, q, keys, values, slots, L, row, scale, p, o);
+  } else {
+    return head_dispatch_c<KT, Bf16Chunks16>(hd / 16, q, keys, values, slots, L, row, scale, p, o);
   }
-  if constexpr (E == 16) {  // fp32 chunks: 9 to 16
-    switch (hd / E) {
-#define TS_HEAD_CASE(n) \
-  case n: head_avx512<KT, n>(q, keys, values, slots, L, row, scale, p, o); return true;
-      TS_HEAD_CASE(9) TS_HEAD_CASE(10) TS_HEAD_CASE(11) TS_HEAD_CASE(12) TS_HEAD_CASE(13) TS_HEAD_CASE(14)
-      TS_HEAD_CASE(15) TS_HEAD_CASE(16)
-#undef TS_HEAD_CASE
-      default: break;
-    }
-  }
-  return false;
 }
 
 using simd::widen;

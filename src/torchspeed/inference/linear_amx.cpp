@@ -131,7 +131,8 @@ class Tiles {
   bool loaded_ = false;
 };
 
-// Tiles ahead that one or two rows request with prefetch: 6 KB, as the other kernels.
+// Tiles ahead that the bf16 tiles (one or two rows) and the int8 VPDPBUSD path request with
+// prefetch: 6 KB, as the other kernels.
 constexpr int64_t kAheadTiles = 6;
 
 // c [32 x 32] fp32 (row stride 32) = MT row tiles of a (bf16, row stride lda elements) times NT
@@ -389,7 +390,7 @@ TS_AMX void int8_block(const FixedRows& xq, int64_t rows, int64_t Kp, const int8
         if (two) int8_pass<2>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
         else int8_pass<1>(hi, lo, Kp, b, strip, KT, c_hi, c_lo);
       }
-      // The integer sum is exact; one product in double, rounded once to fp32.
+      // The integer sum is exact; two products in double, rounded once to fp32.
       int8_out(std::min<int64_t>(16, rows - m0), c_hi, c_lo, xq.step.data() + m0, scale + o, std::min<int64_t>(32, o1 - o),
                y + m0 * N + o, N);
     }

@@ -41,6 +41,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512bh 
 // n ln2), e^f by its degree-6 Taylor polynomial (relative error under 2e-7), times 2^n by
 // scalef, which also takes lanes below e^-87 to zero.
 __attribute__((target("avx512f"))) inline __m512 exp_le0(__m512 x) {
+  // Below -104 the result is 0 anyway; clamping keeps n small enough for f to stay exact (and
+  // -inf from becoming NaN). max_ps returns its second operand, x, when x is NaN.
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
   __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
   f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
