@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <cstdlib>
 
 #include "test_util.h"
 #include "torchspeed/config/config.h"
@@ -138,6 +139,21 @@ TEST(Config, BatchSizeDerivationFollowsDeepSpeed) {
   expect_error({{"train_batch_size", 24}, {"train_micro_batch_size_per_gpu", 3}}, "is not divisible by", world(3));
   expect_error({{"train_batch_size", 0}}, "train_batch_size: must be in [1, 2147483648], got 0");
   expect_error({{"train_batch_size", 8}}, "does not divide the world size 6", world(6, 4, 1));
+}
+
+// The communication deadline: torchspeed.comm_timeout_s when given, else the environment's
+// TORCHSPEED_COMM_TIMEOUT_S (as every communicator), else 600 s. A job used to ignore the
+// environment and wait 600 s for a host that was gone.
+TEST(Config, CommTimeoutFollowsTheEnvironmentUnlessTheConfigSetsIt) {
+  const nlohmann::json base = {{"train_batch_size", 4}, {"train_micro_batch_size_per_gpu", 4}};
+  ::unsetenv("TORCHSPEED_COMM_TIMEOUT_S");
+  EXPECT_EQ(Config::parse(base, world(1)).torchspeed.comm_timeout_s, 600.0);
+  ::setenv("TORCHSPEED_COMM_TIMEOUT_S", "12.5", 1);
+  EXPECT_EQ(Config::parse(base, world(1)).torchspeed.comm_timeout_s, 12.5);
+  nlohmann::json set = base;
+  set["torchspeed"] = {{"comm_timeout_s", 30}};
+  EXPECT_EQ(Config::parse(set, world(1)).torchspeed.comm_timeout_s, 30.0);
+  ::unsetenv("TORCHSPEED_COMM_TIMEOUT_S");
 }
 
 TEST(Config, UnknownKeysSuggestTheNearestKnownKey) {

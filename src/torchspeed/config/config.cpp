@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "torchspeed/comm/communicator.h"
 #include "torchspeed/config/json_reader.h"
 #include "torchspeed/config/detail/sections.h"
 
@@ -705,13 +706,16 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
   JsonReader r(j, "", diag);
 
   // torchspeed's own section first: it decides whether unknown keys are errors.
+  // The deadline's default is the communicator's (TORCHSPEED_COMM_TIMEOUT_S, else 600 s): a job
+  // whose config leaves it out honours the environment like every other communicator does.
+  c.torchspeed.comm_timeout_s = static_cast<double>(comm::default_timeout().count()) / 1000.0;
   if (auto t = r.child("torchspeed")) {
     c.torchspeed.unknown_keys = t->get_string("unknown_keys", "typos", {"typos", "error", "warn"});
     diag.unknown_keys = c.torchspeed.unknown_keys == "error"  ? Diagnostics::UnknownKeys::kError
                         : c.torchspeed.unknown_keys == "warn" ? Diagnostics::UnknownKeys::kWarn
                                                               : Diagnostics::UnknownKeys::kTypos;
     c.torchspeed.intra_op_threads = static_cast<int>(t->get_int("intra_op_threads", 0, 0, 4096));
-    c.torchspeed.comm_timeout_s = t->get_double("comm_timeout_s", 600.0, 1e-3);
+    c.torchspeed.comm_timeout_s = t->get_double("comm_timeout_s", c.torchspeed.comm_timeout_s, 1e-3);
     c.torchspeed.comm_chunk_bytes = t->get_int("comm_chunk_bytes", 1 << 20, 4096, int64_t{1} << 30);
     t->finish();
   }
