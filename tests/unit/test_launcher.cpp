@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 
@@ -117,4 +118,123 @@ TEST(LaunchCommand, HostfileBecomesHostList) {
   expect_error([&] { build_command(o, c); }, "must be NAME=VALUE");
   LaunchOptions none;
   expect_error([&] { build_command(none, c); }, "no program given");
+}
+
+// Note [Elastic restart]: a failed job is probed host by host and restarted on the hosts that
+// answer, one rank per slot, with TORCHSPEED_RESTART_COUNT; the restarts stop at the limit.
+TEST(ElasticLaunch, RestartsOnTheHostsThatAnswer) {
+  LaunchOptions o;
+  o.hostfile = write_temp("ts_hostfile_elastic", "w0 slots=2\nw1 slots=2\nw2 slots=1\n");
+  o.program = {"prog", "--resume"};
+  std::vector<std::vector<std::string>> runs;
+  std::vector<std::vector<std::string>> probed;
+  ElasticOptions e;
+  e.max_restarts = 3;
+  std::vector<int> statuses{9, 1, 0};
+  e.run = [&](const std::vector<std::string>& argv) {
+    runs.push_back(argv);
+    return statuses.at(runs.size() - 1);
+  };
+  e.probe = [&](const std::vector<std::string>& hosts) {
+    probed.push_back(hosts);
+    std::vector<std::string> why(hosts.size());
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      if (hosts[i] == "w1" || (probed.size() == 2 && hosts[i] == "w2")) why[i] = "no answer within 30 s";
+    }
+    return why;
+  };
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(run_elastic(o, ctx(true, 2), e), 0);
+  const std::string log = testing::internal::GetCapturedStderr();
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_TRUE(contains(runs[0], {"--host", "w0:2,w1:2,w2:1"}));
+  EXPECT_TRUE(contains(runs[0], {"-np", "5"}));
+  EXPECT_TRUE(contains(runs[0], {"-x", "TORCHSPEED_RESTART_COUNT=0"}));
+  EXPECT_TRUE(contains(runs[1], {"--host", "w0:2,w2:1"}));
+  EXPECT_TRUE(contains(runs[1], {"-np", "3"}));
+  EXPECT_TRUE(contains(runs[1], {"-x", "TORCHSPEED_RESTART_COUNT=1"}));
+  EXPECT_TRUE(contains(runs[2], {"--host", "w0:2"}));
+  EXPECT_TRUE(contains(runs[2], {"-np", "2"}));
+  EXPECT_TRUE(contains(runs[2], {"prog", "--resume"}));
+  ASSERT_EQ(probed.size(), 2u);
+  EXPECT_EQ(probed[1], (std::vector<std::string>{"w0", "w2"}));
+  EXPECT_NE(log.find("host w1 (ranks 2-3 of 5) does not answer: no answer within 30 s"), std::string::npos) << log;
+  EXPECT_NE(log.find("host w2 (rank 2 of 3) does not answer"), std::string::npos) << log;
+  EXPECT_NE(log.find("3 ranks instead of 5 (restart 1 of 3)"), std::string::npos) << log;
+}
+
+TEST(ElasticLaunch, StopsAtTheLimitAndWhenNoHostAnswers) {
+  LaunchOptions o;
+  o.hostfile = write_temp("ts_hostfile_elastic2", "w0 slots=2\nw1 slots=2\n");
+  o.program = {"prog"};
+  int runs = 0;
+  ElasticOptions e;
+  e.max_restarts = 2;
+  e.run = [&](const std::vector<std::string>&) { return ++runs, 7; };
+  e.probe = [](const std::vector<std::string>& hosts) { return std::vector<std::string>(hosts.size()); };  // all answer
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(run_elastic(o, ctx(false, 2), e), 7);
+  std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(runs, 3);  // the first run and 2 restarts
+  EXPECT_NE(log.find("every host answers; restarting on all 2 hosts"), std::string::npos) << log;
+  EXPECT_NE(log.find("all 2 restarts are used"), std::string::npos) << log;
+
+  runs = 0;
+  e.probe = [](const std::vector<std::string>& hosts) { return std::vector<std::string>(hosts.size(), "gone"); };
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(run_elastic(o, ctx(false, 2), e), 7);
+  log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(runs, 1);
+  EXPECT_NE(log.find("no host of the job answers"), std::string::npos) << log;
+
+  // An interrupted job is not restarted; -n is refused (the slots of the hosts alive decide).
+  runs = 0;
+  e.run = [&](const std::vector<std::string>&) { return ++runs, 130; };
+  EXPECT_EQ(run_elastic(o, ctx(false, 2), e), 130);
+  EXPECT_EQ(runs, 1);
+  o.num_ranks = 3;
+  expect_error([&] { run_elastic(o, ctx(false, 2), e); }, "leave out -n (3)");
+}
+
+// The probe runs mpirun for real: a missing mpirun is a reason, not a crash.
+TEST(ElasticLaunch, ProbeNamesWhyAHostDoesNotAnswer) {
+  const auto why = probe_hosts({"w0"}, "/nonexistent/mpirun", false, 5);
+  ASSERT_EQ(why.size(), 1u);
+  EXPECT_NE(why[0].find("/nonexistent/mpirun"), std::string::npos) << why[0];
+  // A probe that hangs is cut at the timeout ("sleep" stands in for mpirun and ignores its arguments' meaning).
+  const std::string script = write_temp("ts_fake_mpirun", "#!/bin/sh\nexec sleep 30\n");
+  std::filesystem::permissions(script, std::filesystem::perms::owner_all);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto hung = probe_hosts({"w0", "w1"}, script, false, 0.5);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
+  EXPECT_EQ(hung, (std::vector<std::string>{"no answer within 0.5 s", "no answer within 0.5 s"}));
+  const std::string failing = write_temp("ts_fake_mpirun2", "#!/bin/sh\nprintf -- '-----\\nORTE was unable to\\nreach host\\n\\n* a detail\\n-----\\n' >&2\nexit 3\n");
+  std::filesystem::permissions(failing, std::filesystem::perms::owner_all);
+  const auto failed = probe_hosts({"w0"}, failing, false, 5);
+  EXPECT_EQ(failed[0], "mpirun could not start a process there (exit status 3: ORTE was unable to reach host)");
+}
+
+// mpirun that hangs after a rank aborted (it cannot reach a dead host's daemon) is stopped after
+// the grace period; one that ends by itself keeps its exit status and its messages pass through.
+TEST(ElasticLaunch, MpirunHangingAfterAnAbortIsStopped) {
+  const std::string hang = write_temp("ts_fake_mpirun3",
+                                      "#!/bin/sh\necho 'MPI_ABORT was invoked on rank 1' >&2\nexec sleep 60\n");
+  std::filesystem::permissions(hang, std::filesystem::perms::owner_all);
+  testing::internal::CaptureStderr();
+  const auto t0 = std::chrono::steady_clock::now();
+  bool interrupted = true;
+  const int rc = run_watched({hang}, 0.5, &interrupted);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 128 + 9);
+  EXPECT_FALSE(interrupted);
+  EXPECT_LT(took, 10.0);
+  EXPECT_NE(log.find("MPI_ABORT was invoked on rank 1"), std::string::npos) << log;
+  EXPECT_NE(log.find("mpirun has not ended 0.5 s after the job failed"), std::string::npos) << log;
+
+  const std::string ends = write_temp("ts_fake_mpirun4", "#!/bin/sh\necho 'a rank failed' >&2\nsleep 1\nexit 3\n");
+  std::filesystem::permissions(ends, std::filesystem::perms::owner_all);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(run_watched({ends}, 0.1), 3);  // no failure marker: no grace applies
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("a rank failed"), std::string::npos);
 }

@@ -296,7 +296,20 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       if (auto loaded = engine->load_checkpoint(checkpoints)) {
         loader.load_state(loaded->client_state.at("data"));
         step = engine->global_step();
-        if (rt.is_rank0()) std::printf("  resumed from %s at step %ld\n", loaded->path.c_str(), static_cast<long>(step));
+        if (rt.is_rank0()) {
+          std::printf("  resumed from %s at step %ld\n", loaded->path.c_str(), static_cast<long>(step));
+          // Another data-parallel size (an elastic restart, Note [Elastic restart]): say how the
+          // global batch carries over.
+          const nlohmann::json saved = config::read_json_file(loaded->path + "/manifest.json");
+          const int64_t saved_dp = saved.at("grid").value("dp", static_cast<int64_t>(dp->size()));
+          const int64_t saved_batch = saved.at("config").value("train_batch_size", cfg.train_batch_size);
+          if (saved_dp != dp->size()) {
+            std::printf("  saved at dp %ld, resumed at dp %d: global batch %ld %s (%ld micro x %ld accumulation x %d dp)\n",
+                        static_cast<long>(saved_dp), dp->size(), static_cast<long>(cfg.train_batch_size),
+                        saved_batch == cfg.train_batch_size ? "kept" : concat("instead of ", saved_batch).c_str(),
+                        static_cast<long>(micro), static_cast<long>(cfg.gradient_accumulation_steps), dp->size());
+          }
+        }
       } else if (rt.is_rank0()) {
         std::printf("  --resume: no checkpoint in %s yet; starting at step 0\n", checkpoints.c_str());
       }

@@ -3,12 +3,15 @@
 
 #include <signal.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -162,8 +165,8 @@ std::vector<std::string> build_command(const LaunchOptions& o, const LaunchConte
   int ranks = o.num_ranks;
   bool oversubscribe = false;
   bool multi_node = false;
-  if (!o.hostfile.empty()) {
-    auto hosts = filter_hosts(parse_hostfile(o.hostfile), o.include, o.exclude);
+  if (!o.hostfile.empty() || !o.hosts.empty()) {
+    auto hosts = !o.hosts.empty() ? o.hosts : filter_hosts(parse_hostfile(o.hostfile), o.include, o.exclude);
     int slots = 0;
     std::string list;
     for (const auto& h : hosts) {
@@ -305,6 +308,290 @@ int run_command_shielded(const std::vector<std::string>& argv, const std::functi
   sigaction(SIGTERM, &old_term, nullptr);
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+int run_watched(const std::vector<std::string>& argv, double grace_s, bool* interrupted) {
+  TS_CHECK(!argv.empty(), "run_watched: empty command");
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  int fds[2];
+  TS_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "launch: cannot create a pipe: ", std::strerror(errno));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
+  pid_t pid;
+  const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  ::close(fds[1]);
+  if (rc != 0) ::close(fds[0]);
+  TS_CHECK(rc == 0, "cannot start '", argv[0], "': ", std::strerror(rc));
+  struct sigaction sa {}, old_int {}, old_term {};
+  sa.sa_handler = count_interrupt;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+  const int before = g_interrupts;
+  int handled = before;
+  // What mpirun prints once the job is ending because of a failure.
+  static const char* const kEnding[] = {"MPI_ABORT was invoked", "noticed that process rank", "lost communication with a remote daemon",
+                                        "ORTE was unable to reliably start"};
+  std::string window;
+  bool ending = false, killed = false, open = true;
+  auto ending_at = std::chrono::steady_clock::now();
+  int status = 0;
+  auto drain = [&](int timeout_ms) {
+    if (!open) return;
+    pollfd p{fds[0], POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) <= 0) return;
+    char buf[4096];
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n <= 0) {
+      if (n == 0 || errno != EINTR) open = false;
+      return;
+    }
+    ssize_t off = 0;
+    while (off < n) {
+      const ssize_t w = ::write(STDERR_FILENO, buf + off, static_cast<size_t>(n - off));
+      if (w <= 0 && errno != EINTR) break;
+      if (w > 0) off += w;
+    }
+    window.append(buf, static_cast<size_t>(n));
+    for (const char* marker : kEnding) {
+      if (!ending && window.find(marker) != std::string::npos) {
+        ending = true;
+        ending_at = std::chrono::steady_clock::now();
+      }
+    }
+    if (window.size() > 256) window.erase(0, window.size() - 256);
+  };
+  for (;;) {
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    TS_CHECK(r == 0 || errno == EINTR, "waiting for '", argv[0], "': ", std::strerror(errno));
+    if (g_interrupts > handled) {  // Ctrl-C: mpirun stops its ranks; a second one kills it
+      ::kill(-pid, g_interrupts - before >= 2 ? SIGKILL : SIGINT);
+      handled = g_interrupts;
+    }
+    if (ending && !killed &&
+        std::chrono::steady_clock::now() - ending_at > std::chrono::duration<double>(grace_s)) {
+      std::fprintf(stderr,
+                   "\nlaunch: mpirun has not ended %g s after the job failed (a host it has to tell is likely unreachable); "
+                   "stopping it\n", grace_s);
+      ::kill(-pid, SIGKILL);
+      killed = true;
+    }
+    if (open) {
+      drain(200);
+    } else {
+      ::usleep(200000);
+    }
+  }
+  while (open) {  // what is left in the pipe; ranks that outlive mpirun may hold it open
+    pollfd p{fds[0], POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) break;
+    drain(0);
+  }
+  ::close(fds[0]);
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  if (interrupted) *interrupted = g_interrupts > before;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+// Note [Elastic restart]
+// `torchspeed launch --max-restarts N --hostfile F -- PROGRAM` runs the job; when it fails (a
+// rank exits with an error, or mpirun loses a host's daemon, e.g. because the host died),
+// every host of the job is probed the way the job itself starts there: mpirun runs `true` on
+// it through the same rsh agent, and the host's daemon has to connect back over the network.
+// Hosts that do not answer within the probe timeout are named with the ranks they held and
+// dropped; the job restarts on the rest, one rank per slot, with TORCHSPEED_RESTART_COUNT set.
+// Restarting resumes only if PROGRAM does: `torchspeed train --resume` continues from
+// OUT/checkpoints/latest, resharded to the new data-parallel size, and keeps the global batch
+// (train_batch_size) by raising gradient accumulation when it divides (the config's batch rule
+// refuses it, by key, when it does not). A dead host ends the job as fast as its failure is
+// seen: mpirun aborts when a daemon's connection closes (the host's processes were killed), and
+// a rank blocked on a host that is silent (its link is down) fails at its collective's deadline
+// (TORCHSPEED_COMM_TIMEOUT_S or torchspeed.comm_timeout_s), naming the op and group. mpirun then
+// waits for minutes to tell the silent host's daemon to stop; run_watched() gives it
+// --abort-grace seconds after it reports the failure and then stops it. Without a hostfile the
+// job restarts on this machine as it was. Ctrl-C is passed to the job and ends the launcher
+// without a restart.
+
+namespace {
+std::string first_paragraph(const std::string& path) {  // of mpirun's message: its summary
+  std::ifstream in(path);
+  std::string line, out;
+  while (std::getline(in, line)) {
+    const std::string t = trim(line);
+    const bool rule = !t.empty() && t.find_first_not_of('-') == std::string::npos;
+    if (t.empty() || rule) {
+      if (!out.empty()) break;
+      continue;
+    }
+    out += (out.empty() ? "" : " ") + t;
+    if (out.size() > 200) return out.substr(0, 200) + "...";
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<std::string> probe_hosts(const std::vector<std::string>& hosts, const std::string& mpirun, bool is_root,
+                                     double timeout_s) {
+  struct Probe {
+    pid_t pid = -1;
+    std::string log;
+    std::string why;
+    bool done = false;
+  };
+  std::vector<Probe> probes(hosts.size());
+  char dir_template[] = "/tmp/ts-probe.XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  TS_CHECK(dir, "launch: cannot create a temporary folder for host probes: ", std::strerror(errno));
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    std::vector<std::string> argv{mpirun, "--host", hosts[i] + ":1", "-np", "1", "--bind-to", "none"};
+    if (is_root) argv.push_back("--allow-run-as-root");
+    argv.push_back("true");
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    probes[i].log = concat(dir, "/", i, ".log");
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, probes[i].log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);  // its own group: a probe that hangs is killed whole
+    const int rc = posix_spawnp(&probes[i].pid, args[0], &actions, &attr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+    if (rc != 0) {
+      probes[i].why = concat("cannot start '", mpirun, "': ", std::strerror(rc));
+      probes[i].done = true;
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (;;) {
+    bool pending = false;
+    for (auto& p : probes) {
+      if (p.done) continue;
+      int status = 0;
+      const pid_t r = waitpid(p.pid, &status, WNOHANG);
+      if (r == 0) {
+        pending = true;
+        continue;
+      }
+      p.done = true;
+      const int code = r < 0 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code != 0) {
+        const std::string said = first_paragraph(p.log);
+        p.why = concat("mpirun could not start a process there (exit status ", code, said.empty() ? "" : ": ", said, ")");
+      }
+    }
+    if (!pending) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      for (auto& p : probes) {
+        if (p.done) continue;
+        ::kill(-p.pid, SIGKILL);
+        while (waitpid(p.pid, nullptr, 0) < 0 && errno == EINTR) {
+        }
+        p.done = true;
+        p.why = concat("no answer within ", timeout_s, " s");
+      }
+      break;
+    }
+    ::usleep(20000);
+  }
+  std::vector<std::string> out;
+  for (auto& p : probes) {
+    out.push_back(p.why);
+    if (!p.log.empty()) std::remove(p.log.c_str());
+  }
+  ::rmdir(dir);
+  return out;
+}
+
+int run_elastic(const LaunchOptions& o, const LaunchContext& ctx, const ElasticOptions& e) {
+  TS_CHECK(e.max_restarts >= 0, "launch: --max-restarts must be >= 0, got ", e.max_restarts);
+  TS_CHECK(e.probe_timeout_s > 0, "launch: --probe-timeout must be > 0 seconds, got ", e.probe_timeout_s);
+  bool interrupted = false;
+  const auto run = e.run ? e.run : [&](const std::vector<std::string>& argv) { return run_watched(argv, e.abort_grace_s, &interrupted); };
+  const auto probe = e.probe ? e.probe : [&](const std::vector<std::string>& hosts) {
+    return probe_hosts(hosts, o.mpirun, ctx.is_root, e.probe_timeout_s);
+  };
+  LaunchOptions cur = o;
+  const bool with_hosts = !o.hostfile.empty() || !o.hosts.empty();
+  if (with_hosts) {
+    if (cur.hosts.empty()) cur.hosts = filter_hosts(parse_hostfile(o.hostfile), o.include, o.exclude);
+    TS_CHECK(o.num_ranks == 0 || e.max_restarts == 0, "launch: with --max-restarts the job runs one rank per slot of the hosts ",
+             "that answer; leave out -n (", o.num_ranks, ")");
+  }
+  for (int attempt = 0;; ++attempt) {
+    LaunchOptions job = cur;
+    job.extra_env.push_back(concat("TORCHSPEED_RESTART_COUNT=", attempt));
+    std::fflush(stdout);
+    const int rc = run(build_command(job, ctx));
+    if (rc == 0) return 0;
+    if (interrupted || rc == 128 + SIGINT) {  // not a failure to recover from
+      std::fprintf(stderr, "launch: interrupted; not restarting\n");
+      return rc == 0 ? 128 + SIGINT : rc;
+    }
+    if (attempt >= e.max_restarts) {
+      if (e.max_restarts > 0) {
+        std::fprintf(stderr, "launch: the job failed (exit status %d) and all %d restarts are used; giving up\n", rc,
+                     e.max_restarts);
+      }
+      return rc;
+    }
+    if (!with_hosts) {
+      std::fprintf(stderr, "launch: the job failed (exit status %d); restarting it (restart %d of %d)\n", rc, attempt + 1,
+                   e.max_restarts);
+      continue;
+    }
+    std::vector<std::string> names;
+    int world = 0;
+    for (const auto& h : cur.hosts) {
+      names.push_back(h.host);
+      world += static_cast<int>(h.slots.size());
+    }
+    std::fprintf(stderr, "launch: the job failed (exit status %d); checking which of its %zu hosts answer\n", rc, names.size());
+    const std::vector<std::string> why = probe(names);
+    TS_INTERNAL_ASSERT(why.size() == names.size(), "probe answered for ", why.size(), " of ", names.size(), " hosts");
+    std::vector<HostSlots> alive;
+    int first = 0, ranks = 0;
+    for (size_t i = 0; i < cur.hosts.size(); ++i) {
+      const int n = static_cast<int>(cur.hosts[i].slots.size());
+      if (why[i].empty()) {
+        alive.push_back(cur.hosts[i]);
+        ranks += n;
+      } else {
+        std::fprintf(stderr, "launch: host %s (rank%s %d%s of %d) does not answer: %s\n", names[i].c_str(), n > 1 ? "s" : "", first,
+                     n > 1 ? concat("-", first + n - 1).c_str() : "", world, why[i].c_str());
+      }
+      first += n;
+    }
+    if (alive.empty()) {
+      std::fprintf(stderr, "launch: no host of the job answers; giving up\n");
+      return rc;
+    }
+    if (alive.size() == cur.hosts.size()) {
+      std::fprintf(stderr, "launch: every host answers; restarting on all %zu hosts, %d ranks (restart %d of %d)\n", alive.size(),
+                   ranks, attempt + 1, e.max_restarts);
+    } else {
+      std::fprintf(stderr, "launch: restarting on the %zu host%s, %d ranks instead of %d (restart %d of %d)\n",
+                   alive.size(), alive.size() > 1 ? "s that answer" : " that answers", ranks, world, attempt + 1, e.max_restarts);
+    }
+    cur.hosts = std::move(alive);
+  }
 }
 
 bool under_launcher() {

@@ -33,6 +33,9 @@ struct LaunchOptions {
   std::vector<std::string> program;  // program and its arguments
   std::vector<std::string> extra_env;  // NAME=VALUE pairs to set on every rank
   std::string mpirun = "mpirun";
+  // When not empty, these hosts (filters already applied) instead of the hostfile's: an elastic
+  // restart's hosts that still answer.
+  std::vector<HostSlots> hosts;
 };
 
 // Facts about the machine the launcher runs on (injectable for tests).
@@ -67,6 +70,34 @@ int run_command_shielded(const std::vector<std::string>& argv, const std::functi
 // kernels. Returns normally when nothing needs doing. For programs that own main(), called
 // before anything else (the torchspeed CLI does).
 void reexec_with_fast_blas(int argc, char** argv);
+
+// Runs argv (mpirun) in a process group of its own, its standard error passed through this
+// process and watched: once mpirun says the job is failing (a rank aborted or died, a daemon is
+// lost), it gets grace_s to end, and is killed (with its group) after that. mpirun otherwise
+// waits for minutes for a daemon on an unreachable host. Ctrl-C is passed on (SIGINT; a second
+// one kills); *interrupted says whether one came. Returns mpirun's exit status.
+int run_watched(const std::vector<std::string>& argv, double grace_s, bool* interrupted = nullptr);
+
+// Note [Elastic restart] (launcher.cpp): `torchspeed launch --max-restarts N`.
+struct ElasticOptions {
+  int max_restarts = 0;
+  double probe_timeout_s = 30;  // how long a host may take to start a probe process
+  double abort_grace_s = 30;    // how long mpirun may take to end once the job failed
+  // Injectable for tests. `run`: runs the job's argv and returns its exit status (default
+  // run_command). `probe`: for each host, "" when it answers, else why not (default probe_hosts).
+  std::function<int(const std::vector<std::string>&)> run;
+  std::function<std::vector<std::string>(const std::vector<std::string>&)> probe;
+};
+// Runs the job and, each time it fails, restarts it (at most max_restarts times) on the hosts
+// that still answer, one rank per slot; TORCHSPEED_RESTART_COUNT tells the ranks which attempt
+// they are. Messages go to stderr. Returns the last attempt's exit status.
+int run_elastic(const LaunchOptions& options, const LaunchContext& ctx, const ElasticOptions& elastic);
+
+// Starts `true` on each host through mpirun (the job's own start-up path: the rsh agent, the
+// daemon's connection back over the network), all at once. For each host: "" when it ran within
+// timeout_s, else the reason (mpirun's last message, or no answer in time).
+std::vector<std::string> probe_hosts(const std::vector<std::string>& hosts, const std::string& mpirun, bool is_root,
+                                     double timeout_s);
 
 // True when this process was started by an MPI launcher or Slurm (then no launch is needed).
 bool under_launcher();
