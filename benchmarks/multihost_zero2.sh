@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Hierarchical against flat collectives across hosts (Note [Hierarchical collectives]): ZeRO-2
-# data parallel on the d768 GPT (86M parameters, fp32) over 2 hosts x 2 ranks, hosts being
-# network namespaces of scripts/multihost joined by a link shaped to RATE (default 1gbit).
-# For each mode, two runs (S1 and S2 steps) give the bytes each host sent on its link per step
-# (the difference over S2 - S1 steps, so start-up traffic cancels), beside the formula:
+# Hierarchical against flat collectives across hosts (Note [Hierarchical collectives]), and
+# ZeRO++ qgZ (Note [Quantized reduce-scatter]): ZeRO-2 data parallel on the d768 GPT (86M
+# parameters, fp32) over 2 hosts x 2 ranks, hosts being network namespaces of scripts/multihost
+# joined by a link shaped to RATE (default 1gbit). For each mode, two runs (S1 and S2 steps) give
+# the bytes each host sent on its link per step (the difference over S2 - S1 steps, so start-up
+# traffic cancels), beside the formula:
 #   flat:         L (H-1)/H x (gradient bytes + parameter bytes) per host per step
 #   hierarchical:   (H-1)/H x (gradient bytes + parameter bytes)
-# (ZeRO-2: a reduce-scatter of the gradients and an all-gather of the updated parameters), and
-# the median step time of the longer run. Prints the ratios side by side.
+#   qgz:            (H-1)/H x (gradient bytes x (1/2 + 4/128) / 4 + parameter bytes)
+# (ZeRO-2: a reduce-scatter of the gradients and an all-gather of the updated parameters; qgZ
+# sends the gradients as 4-bit blocks of 128 with an fp32 scale), and the median step time of
+# the longer run. Prints the ratios side by side. MODES (default "flat hier qgz") picks modes.
 #
 # The step time gains what the link costs: 4 ranks share this machine's cores, so the longer the
 # samples (SEQ, default 128), the more the step is compute and the less the link matters.
@@ -17,7 +20,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cli="${1:-$root/build/bin/torchspeed}"
 rate="${2:-1gbit}"
-S1="${S1:-2}" S2="${S2:-5}" SEQ="${SEQ:-128}"  # SEQ: tokens per sample (the compute per step)
+S1="${S1:-2}" S2="${S2:-5}" SEQ="${SEQ:-128}" MODES="${MODES:-flat hier qgz}"  # SEQ: tokens per sample (the compute per step)
 work="$(mktemp -d /tmp/ts-multihost-zero2.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 cat >"$work/cfg.json" <<JSON
@@ -38,23 +41,25 @@ sent() {  # bytes each host has sent on its link so far, "host bytes" lines
     echo "\${link%%:*} \$(ip netns exec "\${link%%:*}" cat /sys/class/net/\${link#*:}/statistics/tx_bytes)"
   done
 }
-for mode in flat hier; do
+for mode in $MODES; do
   for steps in $S1 $S2; do
     sent >"$work/\$mode-\$steps.before"
     TORCHSPEED_COMM_HIERARCHICAL=\$([ \$mode = flat ] && echo 0 || echo 1) \
       "$cli" launch --hostfile "\$TS_MH_HOSTFILE" -- "$cli" train -c "$work/cfg.json" --out "$work/\$mode-\$steps" \
-      --set train.steps=\$steps >"$work/\$mode-\$steps.log" 2>&1 || { cat "$work/\$mode-\$steps.log"; exit 1; }
+      --set train.steps=\$steps --set zero_optimization.zero_quantized_gradients=\$([ \$mode = qgz ] && echo true || echo false) \
+      >"$work/\$mode-\$steps.log" 2>&1 || { cat "$work/\$mode-\$steps.log"; exit 1; }
     sent >"$work/\$mode-\$steps.after"
   done
 done
 INNER
 "$root/scripts/multihost" --hosts 2 --slots 2 --rate "$rate" -- bash "$work/runs.sh"
-python3 - "$work" "$S1" "$S2" "$rate" "$SEQ" <<'PY'
+python3 - "$work" "$S1" "$S2" "$rate" "$SEQ" "$MODES" <<'PY'
 import csv, statistics, sys
 work, s1, s2, rate, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+modes = sys.argv[6].split()
 H, L = 2, 2
 params = 0
-with open(f"{work}/hier-{s2}.log") as f:
+with open(f"{work}/{modes[0]}-{s2}.log") as f:
     for line in f:
         if "parameters" in line and "M parameters" in line:
             params = float(line.split("M parameters")[0].split()[-1]) * 1e6
@@ -72,16 +77,22 @@ def step_s(mode):
     tokens = 4 * seq
     return statistics.median(tokens / float(r["tokens_per_s"]) for r in rows[1:])
 fp32 = 4 * params
-formula = {"flat": L * (H - 1) / H * 2 * fp32, "hier": (H - 1) / H * 2 * fp32}
+formula = {"flat": L * (H - 1) / H * 2 * fp32, "hier": (H - 1) / H * 2 * fp32,
+           "qgz": (H - 1) / H * (fp32 * (0.5 + 4 / 128) / 4 + fp32)}
 print(f"multihost zero2: d768 GPT ({params / 1e6:.1f}M parameters, fp32), ZeRO-2, {H} hosts x {L} ranks, 1 sample of {seq} tokens per rank, link {rate}")
 res = {}
-for mode in ("flat", "hier"):
+for mode in modes:
     b = per_step(mode)
     t = step_s(mode)
     res[mode] = (b, t)
     for h, v in sorted(b.items()):
         print(f"  {mode:5s} {h}: {v / 1e6:8.1f} MB per step on its link; formula {formula[mode] / 1e6:8.1f} MB ({v / formula[mode]:.3f}x)")
     print(f"  {mode:5s} median step {t:.2f} s")
-print(f"multihost zero2: hierarchical link bytes {min(res['hier'][0].values()) / max(res['flat'][0].values()):.3f}x flat's; "
-      f"step time: hierarchical {res['flat'][1] / res['hier'][1]:.2f}x faster than flat (target 1.5x)")
+def ratio(a, b, what):
+    if a in res and b in res:
+        print(f"multihost zero2: {what}: link bytes {min(res[b][0].values()) / max(res[a][0].values()):.3f}x; "
+              f"step {res[a][1] / res[b][1]:.2f}x faster")
+ratio("flat", "hier", "hierarchical vs flat (target 1.5x faster)")
+ratio("flat", "qgz", "qgZ (hierarchical, 4-bit gradients across hosts) vs flat")
+ratio("hier", "qgz", "qgZ vs hierarchical fp32")
 PY

@@ -492,8 +492,12 @@ TEST(Config, KeysTorchspeedCannotHonourAreRefusedWithTheirPath) {
                "zero_optimization.ignore_unused_parameters: torchspeed reduces zeros");
   expect_error(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}}}),
                "zero_optimization.zero_hpz_partition_size: ZeRO++ hierarchical partitioning");
-  expect_error(with({{"zero_optimization", {{"zero_quantized_gradients", true}}}}),
-               "zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradient reduction");
+  // qgZ is accepted at stages 2-3 (it replaces their reduce-scatter); below, it is refused.
+  expect_error(with({{"zero_optimization", {{"zero_quantized_gradients", true}, {"stage", 1}}}}),
+               "zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradients (qgZ) quantize the gradients' "
+               "reduce-scatter: they need stage 2 or 3, and stage is 1");
+  expect_error(with({{"zero_optimization", {{"zero_quantized_gradients", true}, {"stage", 2}, {"reduce_scatter", false}}}}),
+               "zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradients (qgZ) replace the reduce-scatter");
   expect_error(with({{"zero_optimization", {{"zero_quantized_weights", true}}}}),
                "zero_optimization.zero_quantized_weights: ZeRO++ quantized weight all-gather");
   expect_error(with({{"zero_optimization", {{"mics_shard_size", 4}}}}), "zero_optimization.mics_shard_size: MiCS");

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -213,6 +214,110 @@ void OneBitAllReduce::run(const at::Tensor& buffer) {
       std::copy(tail, tail + (len - whole), dst + begin + whole);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// QuantizedReduceScatter (Note [Quantized reduce-scatter] in compressed.h)
+
+namespace {
+constexpr int kQuantTag = 7302;
+}  // namespace
+
+QuantizedReduceScatter::QuantizedReduceScatter(CommunicatorPtr comm) : comm_(std::move(comm)) {
+  TS_CHECK(comm_, "QuantizedReduceScatter: null communicator");
+  const int p = comm_->size(), r = comm_->rank(), h = comm_->hierarchy_hosts();
+  if (h > 1 && p % h == 0 && p / h > 1) {
+    hosts_ = h;
+    local_ = p / h;
+    intra_ = comm_->split(r / local_, r, comm_->name() + ".qgz_host");
+    inter_ = comm_->split(r % local_, r, comm_->name() + ".qgz_across");
+  } else {
+    hosts_ = p;
+    inter_ = comm_;
+  }
+}
+
+void QuantizedReduceScatter::encode(const float* x, int64_t n, uint8_t* wire) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  float* scales = reinterpret_cast<float*>(wire);  // wire is at least 4-byte aligned (see run)
+  uint8_t* q = wire + 4 * blocks;
+  std::fill(q, q + (n + 1) / 2, uint8_t{0x88});  // an odd tail's missing half decodes to 0
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+      float amax = 0.0f;
+      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
+      if (!std::isfinite(amax)) {  // an overflow (fp16 loss scaling): the block decodes to NaN, so it is seen
+        scales[b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float scale = amax / 7.0f;
+      scales[b] = scale;
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      for (int64_t i = lo; i < hi; ++i) {
+        const int v = static_cast<int>(std::nearbyint(x[i] * inv)) + 8;  // 1..15
+        const uint8_t nib = static_cast<uint8_t>(std::clamp(v, 1, 15));
+        uint8_t& byte = q[i / 2];
+        byte = (i % 2 == 0) ? static_cast<uint8_t>((byte & 0xF0) | nib) : static_cast<uint8_t>((byte & 0x0F) | (nib << 4));
+      }
+    }
+  });
+}
+
+void QuantizedReduceScatter::decode_add(const uint8_t* wire, int64_t n, float* y) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const float* scales = reinterpret_cast<const float*>(wire);
+  const uint8_t* q = wire + 4 * blocks;
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+      const float scale = scales[b];
+      for (int64_t i = lo; i < hi; ++i) {
+        const int nib = (i % 2 == 0) ? (q[i / 2] & 0x0F) : (q[i / 2] >> 4);
+        y[i] += static_cast<float>(nib - 8) * scale;
+      }
+    }
+  });
+}
+
+void QuantizedReduceScatter::run(const at::Tensor& in, const at::Tensor& out, ReduceOp op) {
+  TS_CHECK(in.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && in.is_contiguous() && out.is_contiguous(),
+           "quantized reduce-scatter takes contiguous fp32 tensors, got ", in.scalar_type(), " and ", out.scalar_type());
+  TS_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, "quantized reduce-scatter: only sum and avg");
+  const int64_t p = comm_->size(), c = out.numel();
+  TS_CHECK(in.numel() == p * c, "quantized reduce-scatter: input has ", in.numel(), " elements, expected ", p, " x ", c);
+  const int64_t H = hosts_, L = local_;
+  // Step 1: rows[h] = this host's sum of chunk (h, l) (l = this rank's local index).
+  at::Tensor rows;
+  if (intra_) {
+    rows = at::empty({H, c}, in.options());
+    const at::Tensor blocks = in.view({H, L * c});
+    std::vector<WorkPtr> works;
+    for (int64_t h = 0; h < H; ++h) works.push_back(intra_->reduce_scatter_async(blocks[h], rows[h], ReduceOp::kSum));
+    for (auto& w : works) w->wait();
+  } else {
+    rows = in.view({H, c});
+  }
+  // Step 2: across hosts, quantized.
+  const int me = inter_->rank();
+  const int64_t wb = (wire_bytes(c) + 3) / 4 * 4;  // keep every row's scales 4-byte aligned
+  at::Tensor sendbuf = at::empty({H, wb}, at::kByte), recvbuf = at::empty({H, wb}, at::kByte);
+  for (int64_t h = 0; h < H; ++h) {
+    if (h != me) encode(rows[h].data_ptr<float>(), c, sendbuf[h].data_ptr<uint8_t>());
+  }
+  std::vector<WorkPtr> works;
+  for (int64_t h = 0; h < H; ++h) {
+    if (h == me) continue;
+    works.push_back(inter_->recv_async(recvbuf[h], static_cast<int>(h), kQuantTag));
+    works.push_back(inter_->send_async(sendbuf[h], static_cast<int>(h), kQuantTag));
+  }
+  for (auto& w : works) w->wait();
+  out.copy_(rows[me]);
+  float* y = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    if (h != me) decode_add(recvbuf[h].data_ptr<uint8_t>(), c, y);
+  }
+  if (op == ReduceOp::kAvg) out.div_(static_cast<double>(p));
 }
 
 }  // namespace torchspeed::comm

@@ -359,8 +359,15 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
   }
   only(r, "zero_quantized_weights", false, false,
        "ZeRO++ quantized weight all-gather (qwZ) is not available in torchspeed yet");
-  only(r, "zero_quantized_gradients", false, false,
-       "ZeRO++ quantized gradient reduction (qgZ) is not available in torchspeed yet");
+  // qgZ: DeepSpeed applies it at stage 3; the same reduce-scatter serves stage 2 here.
+  c.quantized_gradients = r.get_bool("zero_quantized_gradients", false);
+  if (c.quantized_gradients && c.stage < 2) {
+    r.error("zero_quantized_gradients", concat("ZeRO++ quantized gradients (qgZ) quantize the gradients' reduce-scatter: they need "
+                                               "stage 2 or 3, and stage is ", c.stage));
+  }
+  if (c.quantized_gradients && !c.reduce_scatter) {
+    r.error("zero_quantized_gradients", "ZeRO++ quantized gradients (qgZ) replace the reduce-scatter, and reduce_scatter is false");
+  }
   only(r, "zero_quantized_nontrainable_weights", false, false,
        "ZeRO++ quantized non-trainable weights are not available in torchspeed yet");
   if (r.get_int("mics_shard_size", -1) > 0) {
@@ -988,6 +995,7 @@ nlohmann::json Config::to_json() const {
   j["zero_optimization"] = {
       {"stage", z.stage}, {"contiguous_gradients", z.contiguous_gradients},
       {"reduce_scatter", z.reduce_scatter}, {"reduce_bucket_size", z.reduce_bucket_size},
+      {"zero_quantized_gradients", z.quantized_gradients},
       {"allgather_partitions", z.allgather_partitions},
       {"allgather_bucket_size", z.allgather_bucket_size}, {"overlap_comm", z.overlap_comm},
       {"load_from_fp32_weights", z.load_from_fp32_weights},

@@ -134,6 +134,9 @@ struct ZeroConfig {
   bool gather_16bit_weights_on_model_save = false;
   bool round_robin_gradients = false;
   bool ignore_unused_parameters = true;
+  // ZeRO++ qgZ: the gradients' reduce-scatter sends 4-bit blocks across hosts (stages 2-3;
+  // Note [Quantized reduce-scatter]).
+  bool quantized_gradients = false;
 };
 
 struct ActivationCheckpointingConfig {

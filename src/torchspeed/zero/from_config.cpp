@@ -78,6 +78,7 @@ ZeroOptions zero_options_of(const config::Config& c) {
       .reduce_bucket_numel(c.zero.reduce_bucket_size)
       .overlap_comm(c.zero.overlap_comm)
       .reduce_scatter(c.zero.reduce_scatter)
+      .quantized_gradients(c.zero.quantized_gradients)
       .sub_group_numel(c.zero.sub_group_size)
       .prefetch_bucket_numel(c.zero.prefetch_bucket_size)
       .param_persistence_threshold(c.zero.param_persistence_threshold)

@@ -74,6 +74,13 @@ using detail::Unit;
 namespace {
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// A reduction that ran to completion on the caller's thread (qgZ).
+class DoneWork final : public comm::Work {
+ public:
+  void wait() override {}
+  bool is_completed() override { return true; }
+  std::exception_ptr exception() const override { return nullptr; }
+};
 }  // namespace
 
 Stage stage_of(int stage) {
@@ -127,6 +134,9 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
            "momentum, which every rank holds)");
   dp_size_ = dp_->size();
   dp_rank_ = dp_->rank();
+  TS_CHECK(!options_.quantized_gradients() || ((strategy == Stage::k2 || strategy == Stage::k3) && options_.reduce_scatter()),
+           "zero_quantized_gradients (qgZ) needs stage 2 or 3 with reduce_scatter");
+  if (options_.quantized_gradients() && dp_size_ > 1) qgz_ = std::make_unique<comm::QuantizedReduceScatter>(dp_);  // collective
   accum_dtype_ = options_.grad_accum_dtype();
   const bool bf16 = options_.precision() == precision::Precision::kBF16;
   TS_CHECK(accum_dtype_ == at::kFloat || (bf16 && accum_dtype_ == at::kBFloat16),
@@ -400,7 +410,15 @@ at::Tensor ZeroOptimizer::start_reduction(size_t ui, bool scatter) {
   if (scatter) {
     u.recv = at::empty({u.shard}, at::TensorOptions().dtype(buf.scalar_type()));
     transient_.add(u.recv.nbytes());
-    u.work = dp_->reduce_scatter_async(buf, u.recv, op);
+    if (qgz_) {  // ZeRO++ qgZ: fp32 in, 4-bit blocks across hosts; runs now (blocking)
+      const at::Tensor in = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
+      const at::Tensor out = u.recv.scalar_type() == at::kFloat ? u.recv : at::empty({u.shard}, at::kFloat);
+      qgz_->run(in, out, op);
+      if (!out.is_same(u.recv)) u.recv.copy_(out);
+      u.work = std::make_shared<DoneWork>();
+    } else {
+      u.work = dp_->reduce_scatter_async(buf, u.recv, op);
+    }
   } else {
     u.work = dp_->all_reduce_async(buf, op);
   }

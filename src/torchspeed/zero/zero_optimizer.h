@@ -52,6 +52,9 @@ struct ZeroOptions {
   // Average gradients with reduce-scatter where a rank updates only its shard (stages 1-3),
   // else with all-reduce (DeepSpeed's zero_optimization.reduce_scatter).
   TORCH_ARG(bool, reduce_scatter) = true;
+  // ZeRO++ qgZ (stages 2-3): reduce-scatter fp32 gradients with 4-bit blocks across hosts
+  // (Note [Quantized reduce-scatter] in comm/compressed.h); blocking, not overlapped.
+  TORCH_ARG(bool, quantized_gradients) = false;
   // Most elements one fused optimizer call updates (DeepSpeed's sub_group_size): the step runs
   // over the partition in sub-groups of at most this size.
   TORCH_ARG(int64_t, sub_group_numel) = 1000000000;
@@ -330,6 +333,7 @@ class ZeroOptimizer {
   // variance (zero/onebit_update.cpp).
   void onebit_update(float grad_scale, double lr);
   std::unique_ptr<comm::OneBitAllReduce> onebit_;
+  std::unique_ptr<comm::QuantizedReduceScatter> qgz_;  // options_.quantized_gradients()
   // Whether backward reduces the gradients of step step_count_ + 1 (the 1-bit optimizers leave
   // each rank's own gradient on their compressed steps).
   bool reduces_next_step() const;
