@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
+#include <thread>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 
@@ -237,4 +240,21 @@ TEST(ElasticLaunch, MpirunHangingAfterAnAbortIsStopped) {
   testing::internal::CaptureStderr();
   EXPECT_EQ(run_watched({ends}, 0.1), 3);  // no failure marker: no grace applies
   EXPECT_NE(testing::internal::GetCapturedStderr().find("a rank failed"), std::string::npos);
+}
+
+// Ctrl-C while the job runs is passed to mpirun's process group (SIGINT), and says so.
+TEST(ElasticLaunch, CtrlCIsPassedOnToMpirun) {
+  const std::string traps = write_temp("ts_fake_mpirun5", "#!/bin/sh\ntrap 'exit 42' INT\nsleep 30 &\nwait\n");
+  std::filesystem::permissions(traps, std::filesystem::perms::owner_all);
+  std::thread ctrl_c([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ::kill(::getpid(), SIGINT);
+  });
+  bool interrupted = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = run_watched({traps}, 30, &interrupted);
+  ctrl_c.join();
+  EXPECT_EQ(rc, 42);  // the script's own SIGINT trap ran
+  EXPECT_TRUE(interrupted);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
 }

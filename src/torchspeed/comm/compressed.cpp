@@ -246,17 +246,22 @@ void QuantizedReduceScatter::encode(const float* x, int64_t n, uint8_t* wire) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
       float amax = 0.0f;
-      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
-      if (!std::isfinite(amax)) {  // an overflow (fp16 loss scaling): the block decodes to NaN, so it is seen
+      bool finite = true;  // (std::max drops a NaN: it is tested on its own)
+      for (int64_t i = lo; i < hi; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        amax = std::max(amax, std::fabs(x[i]));
+      }
+      if (!finite) {  // an overflow (fp16 loss scaling): the block decodes to NaN, so it is seen
         scales[b] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
       const float scale = amax / 7.0f;
       scales[b] = scale;
-      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      // In double: 1 / scale overflows float for blocks below ~2e-38.
+      const double inv = scale > 0.0f ? 1.0 / static_cast<double>(scale) : 0.0;
       for (int64_t i = lo; i < hi; ++i) {
-        const int v = static_cast<int>(std::nearbyint(x[i] * inv)) + 8;  // 1..15
-        const uint8_t nib = static_cast<uint8_t>(std::clamp(v, 1, 15));
+        const double t = std::clamp(static_cast<double>(x[i]) * inv, -7.0, 7.0);
+        const uint8_t nib = static_cast<uint8_t>(static_cast<int>(std::nearbyint(t)) + 8);  // 1..15
         uint8_t& byte = q[i / 2];
         byte = (i % 2 == 0) ? static_cast<uint8_t>((byte & 0xF0) | nib) : static_cast<uint8_t>((byte & 0x0F) | (nib << 4));
       }

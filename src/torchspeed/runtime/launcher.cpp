@@ -275,6 +275,29 @@ void reexec_with_fast_blas(int argc, char** argv) {
 namespace {
 volatile sig_atomic_t g_interrupts = 0;
 void count_interrupt(int) { g_interrupts = g_interrupts + 1; }
+
+// Counts SIGINT/SIGTERM (instead of dying of them) while it lives; restores what was there.
+class InterruptGuard {
+ public:
+  InterruptGuard() : start_(g_interrupts) {
+    struct sigaction sa {};
+    sa.sa_handler = count_interrupt;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+  }
+  ~InterruptGuard() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  InterruptGuard(const InterruptGuard&) = delete;
+  InterruptGuard& operator=(const InterruptGuard&) = delete;
+  int count() const { return g_interrupts - start_; }
+
+ private:
+  int start_;
+  struct sigaction old_int_ {}, old_term_ {};
+};
 }  // namespace
 
 int run_command_shielded(const std::vector<std::string>& argv, const std::function<void()>& on_interrupt) {
@@ -315,6 +338,7 @@ int run_watched(const std::vector<std::string>& argv, double grace_s, bool* inte
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  const InterruptGuard guard;  // before the child exists: a Ctrl-C from here on is passed on
   int fds[2];
   TS_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "launch: cannot create a pipe: ", std::strerror(errno));
   posix_spawn_file_actions_t actions;
@@ -322,7 +346,12 @@ int run_watched(const std::vector<std::string>& argv, double grace_s, bool* inte
   posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  sigset_t defaults;
+  sigemptyset(&defaults);
+  sigaddset(&defaults, SIGINT);
+  sigaddset(&defaults, SIGTERM);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
   posix_spawnattr_setpgroup(&attr, 0);
   pid_t pid;
   const int rc = posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
@@ -331,16 +360,10 @@ int run_watched(const std::vector<std::string>& argv, double grace_s, bool* inte
   ::close(fds[1]);
   if (rc != 0) ::close(fds[0]);
   TS_CHECK(rc == 0, "cannot start '", argv[0], "': ", std::strerror(rc));
-  struct sigaction sa {}, old_int {}, old_term {};
-  sa.sa_handler = count_interrupt;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
-  const int before = g_interrupts;
-  int handled = before;
+  int handled = 0;
   // What mpirun prints once the job is ending because of a failure.
   static const char* const kEnding[] = {"MPI_ABORT was invoked", "noticed that process rank", "lost communication with a remote daemon",
-                                        "ORTE was unable to reliably start"};
+                                        "ORTE was unable to reliably start", "exited with non-zero status", "non-zero exit code"};
   std::string window;
   bool ending = false, killed = false, open = true;
   auto ending_at = std::chrono::steady_clock::now();
@@ -373,10 +396,15 @@ int run_watched(const std::vector<std::string>& argv, double grace_s, bool* inte
   for (;;) {
     const pid_t r = waitpid(pid, &status, WNOHANG);
     if (r == pid) break;
-    TS_CHECK(r == 0 || errno == EINTR, "waiting for '", argv[0], "': ", std::strerror(errno));
-    if (g_interrupts > handled) {  // Ctrl-C: mpirun stops its ranks; a second one kills it
-      ::kill(-pid, g_interrupts - before >= 2 ? SIGKILL : SIGINT);
-      handled = g_interrupts;
+    if (r < 0 && errno != EINTR) {  // cannot happen for our own child; do not leave it behind
+      const int err = errno;
+      ::kill(-pid, SIGKILL);
+      ::close(fds[0]);
+      TS_CHECK(false, "waiting for '", argv[0], "': ", std::strerror(err));
+    }
+    if (guard.count() > handled) {  // Ctrl-C: mpirun stops its ranks; a second one kills it
+      ::kill(-pid, guard.count() >= 2 ? SIGKILL : SIGINT);
+      handled = guard.count();
     }
     if (ending && !killed &&
         std::chrono::steady_clock::now() - ending_at > std::chrono::duration<double>(grace_s)) {
@@ -398,9 +426,7 @@ int run_watched(const std::vector<std::string>& argv, double grace_s, bool* inte
     drain(0);
   }
   ::close(fds[0]);
-  sigaction(SIGINT, &old_int, nullptr);
-  sigaction(SIGTERM, &old_term, nullptr);
-  if (interrupted) *interrupted = g_interrupts > before;
+  if (interrupted) *interrupted = guard.count() > 0;
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
@@ -480,6 +506,7 @@ std::vector<std::string> probe_hosts(const std::vector<std::string>& hosts, cons
     }
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  const int interrupts_before = g_interrupts;  // counted where the caller guards (run_elastic)
   for (;;) {
     bool pending = false;
     for (auto& p : probes) {
@@ -498,14 +525,15 @@ std::vector<std::string> probe_hosts(const std::vector<std::string>& hosts, cons
       }
     }
     if (!pending) break;
-    if (std::chrono::steady_clock::now() >= deadline) {
+    const bool interrupted = g_interrupts != interrupts_before;
+    if (interrupted || std::chrono::steady_clock::now() >= deadline) {
       for (auto& p : probes) {
         if (p.done) continue;
         ::kill(-p.pid, SIGKILL);
         while (waitpid(p.pid, nullptr, 0) < 0 && errno == EINTR) {
         }
         p.done = true;
-        p.why = concat("no answer within ", timeout_s, " s");
+        p.why = interrupted ? std::string("interrupted") : concat("no answer within ", timeout_s, " s");
       }
       break;
     }
@@ -523,6 +551,7 @@ std::vector<std::string> probe_hosts(const std::vector<std::string>& hosts, cons
 int run_elastic(const LaunchOptions& o, const LaunchContext& ctx, const ElasticOptions& e) {
   TS_CHECK(e.max_restarts >= 0, "launch: --max-restarts must be >= 0, got ", e.max_restarts);
   TS_CHECK(e.probe_timeout_s > 0, "launch: --probe-timeout must be > 0 seconds, got ", e.probe_timeout_s);
+  const InterruptGuard guard;  // a Ctrl-C between attempts (while probing) ends the launcher cleanly
   bool interrupted = false;
   const auto run = e.run ? e.run : [&](const std::vector<std::string>& argv) { return run_watched(argv, e.abort_grace_s, &interrupted); };
   const auto probe = e.probe ? e.probe : [&](const std::vector<std::string>& hosts) {
@@ -541,9 +570,9 @@ int run_elastic(const LaunchOptions& o, const LaunchContext& ctx, const ElasticO
     std::fflush(stdout);
     const int rc = run(build_command(job, ctx));
     if (rc == 0) return 0;
-    if (interrupted || rc == 128 + SIGINT) {  // not a failure to recover from
+    if (interrupted || guard.count() > 0 || rc == 128 + SIGINT) {  // not a failure to recover from
       std::fprintf(stderr, "launch: interrupted; not restarting\n");
-      return rc == 0 ? 128 + SIGINT : rc;
+      return rc;
     }
     if (attempt >= e.max_restarts) {
       if (e.max_restarts > 0) {
@@ -565,6 +594,10 @@ int run_elastic(const LaunchOptions& o, const LaunchContext& ctx, const ElasticO
     }
     std::fprintf(stderr, "launch: the job failed (exit status %d); checking which of its %zu hosts answer\n", rc, names.size());
     const std::vector<std::string> why = probe(names);
+    if (guard.count() > 0) {
+      std::fprintf(stderr, "launch: interrupted while probing the hosts; not restarting\n");
+      return rc;
+    }
     TS_INTERNAL_ASSERT(why.size() == names.size(), "probe answered for ", why.size(), " of ", names.size(), " hosts");
     std::vector<HostSlots> alive;
     int first = 0, ranks = 0;

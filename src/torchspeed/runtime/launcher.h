@@ -84,7 +84,7 @@ struct ElasticOptions {
   double probe_timeout_s = 30;  // how long a host may take to start a probe process
   double abort_grace_s = 30;    // how long mpirun may take to end once the job failed
   // Injectable for tests. `run`: runs the job's argv and returns its exit status (default
-  // run_command). `probe`: for each host, "" when it answers, else why not (default probe_hosts).
+  // run_watched). `probe`: for each host, "" when it answers, else why not (default probe_hosts).
   std::function<int(const std::vector<std::string>&)> run;
   std::function<std::vector<std::string>(const std::vector<std::string>&)> probe;
 };
