@@ -305,6 +305,7 @@ int run_command_shielded(const std::vector<std::string>& argv, const std::functi
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  const InterruptGuard guard;  // before the child exists, so no Ctrl-C falls between
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
@@ -313,22 +314,15 @@ int run_command_shielded(const std::vector<std::string>& argv, const std::functi
   int rc = posix_spawnp(&pid, args[0], nullptr, &attr, args.data(), environ);
   posix_spawnattr_destroy(&attr);
   TS_CHECK(rc == 0, "cannot start '", argv[0], "': ", std::strerror(rc));
-  struct sigaction sa {}, old_int {}, old_term {};
-  sa.sa_handler = count_interrupt;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
   int handled = 0, status = 0;
   while (waitpid(pid, &status, 0) < 0) {
     TS_CHECK(errno == EINTR, "waiting for '", argv[0], "': ", std::strerror(errno));
-    if (g_interrupts > handled) {
+    if (guard.count() > handled) {
       if (handled == 0 && on_interrupt) on_interrupt();
-      if (g_interrupts >= 2) ::kill(-pid, SIGTERM);  // a second Ctrl-C: stop now
-      handled = g_interrupts;
+      if (guard.count() >= 2) ::kill(-pid, SIGTERM);  // a second Ctrl-C: stop now
+      handled = guard.count();
     }
   }
-  sigaction(SIGINT, &old_int, nullptr);
-  sigaction(SIGTERM, &old_term, nullptr);
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
