@@ -1,5 +1,8 @@
-// Fused optimizer kernels against LibTorch's own optimizers, step for step (1e-6).
+// Fused optimizer kernels against LibTorch's own optimizers, step for step, within the rounding
+// two float paths may differ by.
 #include <gtest/gtest.h>
+
+#include <limits>
 
 #include <torch/torch.h>
 
@@ -12,9 +15,17 @@ constexpr int64_t kN = 40007;  // not a multiple of any vector width
 double max_rel(const at::Tensor& a, const at::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max()).item<double>();
 }
+// Each step rounds a parameter twice (decay or the gradient's weight-decay term, then the
+// update), and our kernel may contract a multiply-add that LibTorch's kernel rounds twice (or
+// the other way round, by the CPU's vector width): up to two float ulps of the largest
+// parameter apart per step, accumulated. A step that is wrong is off by far more: a missing
+// bias correction or weight decay is 1e-3 here. (At 1e-6 flat, CI's CPU failed at step 10 with
+// 1.08e-6, this one passed with 5.7e-7 worst over 100 seeds.)
+double rounding_bound(int step) { return 2.0 * step * std::numeric_limits<float>::epsilon(); }
 }  // namespace
 
 TEST(FusedOptimizers, AdamWAndAdamMatchLibTorch) {
+  torch::manual_seed(0);
   for (bool adam_w : {true, false}) {
     at::Tensor ref = torch::randn({kN}).set_requires_grad(true);
     at::Tensor p = ref.detach().clone(), m = at::zeros({kN}), v = at::zeros({kN});
@@ -31,7 +42,7 @@ TEST(FusedOptimizers, AdamWAndAdamMatchLibTorch) {
       // Pass the gradient pre-multiplied by 4 with grad_scale 1/4: the kernel's unscaling.
       at::Tensor g4 = g * 4;
       adam_step(p.data_ptr<float>(), g4.data_ptr(), at::kFloat, 0.25f, m.data_ptr<float>(), v.data_ptr<float>(), kN, h, nullptr, ParamOut::kNone);
-      ASSERT_LE(max_rel(p, ref.detach()), 1e-6) << (adam_w ? "AdamW" : "Adam") << " step " << step;
+      ASSERT_LE(max_rel(p, ref.detach()), rounding_bound(step)) << (adam_w ? "AdamW" : "Adam") << " step " << step;
     }
   }
 }
@@ -51,6 +62,7 @@ TEST(FusedOptimizers, BF16GradientsAndParameterCopies) {
 }
 
 TEST(FusedOptimizers, SgdMomentumAndNesterovMatchLibTorch) {
+  torch::manual_seed(0);
   for (bool nesterov : {false, true}) {
     at::Tensor ref = torch::randn({kN}).set_requires_grad(true);
     at::Tensor p = ref.detach().clone(), buf = at::zeros({kN});
