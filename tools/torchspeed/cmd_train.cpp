@@ -23,6 +23,7 @@
 
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/config/json_reader.h"
 #include "torchspeed/data/text.h"
 #include "torchspeed/engine/engine.h"
@@ -33,6 +34,7 @@
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
 #include "torchspeed/runtime/logging.h"
+#include "torchspeed/runtime/memory_counter.h"
 
 namespace torchspeed::cli {
 namespace {
@@ -214,6 +216,9 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     config::Config cfg = config::Config::parse(j, shape, autos);
     for (const auto& w : cfg.warnings) log::warn0(o->config, ": ", w);
     const auto gpt = models::GPTConfig::from_json(cfg.sections.value("model", nlohmann::json::object()));
+    // An autotuning experiment also measures the peak of LibTorch's CPU allocations while its
+    // steps are timed (what `torchspeed plan` predicts), counted from before the model exists.
+    CountingAllocator* counter = cfg.autotuning.enabled ? &count_cpu_allocations() : nullptr;
     DataSection ds = read_data(cfg.sections.value("data", nlohmann::json::object()));
     if (!o->data.empty()) ds.path = o->data;
     const TrainSection ts = read_train(cfg.sections.value("train", nlohmann::json::object()));
@@ -360,6 +365,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
         history.push_back(m);
         progress.update(m, std::chrono::duration<double>(now - start).count());
       }
+      if (counter && step == cfg.autotuning.start_profile_step) counter->reset_peak();
       if (engine->autotuning_done()) break;  // an autotuning experiment: timed, metrics written
       if (ts.checkpoint_interval > 0 && step % ts.checkpoint_interval == 0 && step < ts.steps) save(false);
       // Stop cleanly on a signal or when OUT/STOP exists (written by the launching CLI on Ctrl-C;
@@ -374,14 +380,20 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       }
     }
     if (engine->autotuning_done()) {
+      at::Tensor peak_bytes = at::full({1}, static_cast<double>(counter->peak()), at::kDouble);
+      engine->groups().world->all_reduce(peak_bytes, comm::ReduceOp::kMax);
       if (rt.is_rank0()) {
         progress.finish();
-        const auto& m = engine->autotuning_metrics();
-        std::printf("autotuning experiment: %.1f ms per step, %.1f samples/s (steps %ld-%ld timed); metrics in %s; "
+        nlohmann::json m = engine->autotuning_metrics();
+        m["peak_allocated_bytes"] = peak_bytes.item<double>();  // the most of any rank
+        m["peak_allocated_measured"] = "LibTorch's CPU allocator, the most bytes live on any rank during the timed steps";
+        const std::string metric_path = cfg.autotuning.metric_path.empty() ? "autotuning_metric.json" : cfg.autotuning.metric_path;
+        checkpoint::write_file_atomic(metric_path, m.dump(2) + "\n");
+        std::printf("autotuning experiment: %.1f ms per step, %.1f samples/s (steps %ld-%ld timed), peak %.1f MB allocated on a rank; metrics in %s; "
                     "no checkpoint (as DeepSpeed, which exits here)\n",
                     m.at("latency").get<double>(), m.at("throughput").get<double>(),
                     static_cast<long>(cfg.autotuning.start_profile_step + 1), static_cast<long>(cfg.autotuning.end_profile_step),
-                    cfg.autotuning.metric_path.empty() ? "autotuning_metric.json" : cfg.autotuning.metric_path.c_str());
+                    peak_bytes.item<double>() / 1e6, metric_path.c_str());
       }
       engine.reset();
       shutdown();
