@@ -27,6 +27,7 @@ Runner add_generate(CLI::App& app);
 Runner add_convert(CLI::App& app);
 Runner add_serve(CLI::App& app, const Invocation& inv);
 Runner add_autotune(CLI::App& app, const Invocation& inv);
+Runner add_plan(CLI::App& app, const Invocation& inv);
 
 }  // namespace torchspeed::cli
 

@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   add(torchspeed::cli::add_convert(app));
   add(torchspeed::cli::add_serve(app, inv));
   add(torchspeed::cli::add_autotune(app, inv));
+  add(torchspeed::cli::add_plan(app, inv));
   try {
     app.parse(cli_argc, argv);
   } catch (const CLI::ParseError& e) {

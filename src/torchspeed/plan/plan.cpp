@@ -1,0 +1,350 @@
+#include "torchspeed/plan/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::plan {
+
+namespace {
+double ceil_div(int64_t a, int64_t b) { return static_cast<double>((a + b - 1) / b); }
+
+// Reads a positive number at j[key] (required when `fallback` is NaN), naming the path.
+double number(const nlohmann::json& j, const std::string& path, const std::string& key,
+              double fallback = std::numeric_limits<double>::quiet_NaN()) {
+  if (!j.contains(key)) {
+    TS_CHECK(!std::isnan(fallback), path, ".", key, " is missing");
+    return fallback;
+  }
+  TS_CHECK(j[key].is_number(), path, ".", key, " must be a number, not ", j[key].dump());
+  const double v = j[key].get<double>();
+  TS_CHECK(v >= 0 && std::isfinite(v), path, ".", key, " must be a finite number >= 0, not ", v);
+  return v;
+}
+}  // namespace
+
+int64_t ModelSpec::block_params() const {
+  const int64_t d = hidden;
+  return 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+}
+
+int64_t ModelSpec::params() const {
+  return vocab * hidden + seq * hidden + layers * block_params() + 2 * hidden + (tied ? 0 : vocab * hidden);
+}
+
+double ModelSpec::flops_per_token(bool recompute) const {
+  const double k = recompute ? 8.0 : 6.0;
+  return k * static_cast<double>(params()) + 2.0 * k * static_cast<double>(layers * hidden * seq);
+}
+
+ModelSpec ModelSpec::from_json(const nlohmann::json& j) {
+  TS_CHECK(j.is_object(), "model must be an object");
+  ModelSpec m;
+  m.layers = static_cast<int64_t>(number(j, "model", "layers"));
+  m.hidden = static_cast<int64_t>(number(j, "model", "hidden"));
+  m.heads = static_cast<int64_t>(number(j, "model", "heads"));
+  m.seq = static_cast<int64_t>(number(j, "model", "seq"));
+  m.vocab = static_cast<int64_t>(number(j, "model", "vocab"));
+  if (j.contains("tied")) m.tied = j.at("tied").get<bool>();
+  TS_CHECK(m.layers > 0 && m.hidden > 0 && m.heads > 0 && m.seq > 0 && m.vocab > 0, "model: layers, hidden, heads, seq and vocab must be > 0");
+  TS_CHECK(m.hidden % m.heads == 0, "model.hidden ", m.hidden, " is not a multiple of model.heads ", m.heads);
+  return m;
+}
+
+nlohmann::json ModelSpec::to_json() const {
+  return {{"layers", layers}, {"hidden", hidden}, {"heads", heads}, {"seq", seq}, {"vocab", vocab}, {"tied", tied}, {"params", params()}};
+}
+
+ClusterSpec ClusterSpec::from_json(const nlohmann::json& j) {
+  TS_CHECK(j.is_object(), "cluster must be an object");
+  ClusterSpec c;
+  c.nodes = static_cast<int>(number(j, "cluster", "nodes", 1));
+  c.devices_per_node = static_cast<int>(number(j, "cluster", "devices_per_node", 1));
+  TS_CHECK(c.nodes >= 1 && c.devices_per_node >= 1, "cluster.nodes and cluster.devices_per_node must be >= 1");
+  c.memory = number(j, "cluster", "memory");
+  c.peak_flops = number(j, "cluster", "peak_flops", 0);
+  c.efficiency = number(j, "cluster", "efficiency", 0.5);
+  c.memory_bandwidth = number(j, "cluster", "memory_bandwidth", 0);
+  c.optimizer_rate = number(j, "cluster", "optimizer_rate", 0);
+  c.nvme_bandwidth = number(j, "cluster", "nvme_bandwidth", 0);
+  c.overlap = number(j, "cluster", "overlap", 1.0);
+  for (const char* k : {"intra", "inter"}) {
+    Link& l = std::string(k) == "intra" ? c.intra : c.inter;
+    if (!j.contains(k)) {
+      TS_CHECK(std::string(k) == "inter" && c.nodes == 1, "cluster.", k, " is missing (an object with bandwidth and latency)");
+      continue;
+    }
+    l.bandwidth = number(j.at(k), std::string("cluster.") + k, "bandwidth");
+    l.latency = number(j.at(k), std::string("cluster.") + k, "latency", 0);
+    TS_CHECK(l.bandwidth > 0, "cluster.", k, ".bandwidth must be > 0");
+  }
+  for (const auto& p : j.value("compute", nlohmann::json::array())) {
+    ComputePoint cp;
+    cp.tokens = p.at("tokens").get<int64_t>();
+    cp.hidden = p.at("hidden").get<int64_t>();
+    cp.tp = p.value("tp", int64_t{1});
+    cp.flops_per_s = p.at("flops_per_s").get<double>();
+    cp.forward_share = p.value("forward_share", 1.0 / 3.0);
+    cp.with_tp_comm = p.value("with_tp_comm", false);
+    c.compute.push_back(cp);
+  }
+  c.measured_devices = static_cast<int>(number(j, "cluster", "measured_devices", 0));
+  c.cores_per_node = static_cast<int>(number(j, "cluster", "cores_per_node", 0));
+  c.source = j.value("source", std::string());
+  TS_CHECK(c.peak_flops > 0 || !c.compute.empty(), "cluster: give peak_flops (with efficiency) or measured compute points (plan --calibrate)");
+  TS_CHECK(c.optimizer_rate > 0, "cluster.optimizer_rate (parameters per second) is missing");
+  return c;
+}
+
+nlohmann::json ClusterSpec::to_json() const {
+  nlohmann::json j = {{"nodes", nodes}, {"devices_per_node", devices_per_node}, {"memory", memory},
+                      {"peak_flops", peak_flops}, {"efficiency", efficiency}, {"memory_bandwidth", memory_bandwidth},
+                      {"intra", {{"bandwidth", intra.bandwidth}, {"latency", intra.latency}}},
+                      {"optimizer_rate", optimizer_rate}, {"nvme_bandwidth", nvme_bandwidth},
+                      {"overlap", overlap}, {"measured_devices", measured_devices},
+                      {"cores_per_node", cores_per_node}, {"source", source}};
+  if (nodes > 1 || inter.bandwidth > 0) j["inter"] = {{"bandwidth", inter.bandwidth}, {"latency", inter.latency}};
+  j["compute"] = nlohmann::json::array();
+  for (const auto& p : compute)
+    j["compute"].push_back({{"tokens", p.tokens}, {"hidden", p.hidden}, {"tp", p.tp}, {"flops_per_s", p.flops_per_s},
+                            {"forward_share", p.forward_share}, {"with_tp_comm", p.with_tp_comm}});
+  return j;
+}
+
+const char* offload_name(Offload o) {
+  switch (o) {
+    case Offload::kNone: return "none";
+    case Offload::kOptimizer: return "optimizer";
+    case Offload::kOptimizerAndParams: return "optimizer+params";
+  }
+  return "?";
+}
+
+std::string Layout::describe() const {
+  return concat("dp ", dp, " tp ", tp, " pp ", pp, " zero ", zero, offload == Offload::kNone ? "" : concat(" offload ", offload_name(offload)),
+                " micro ", micro, " x", accumulation, checkpointing ? " ckpt" : "");
+}
+
+double params_per_rank(const ModelSpec& m, const Layout& l) {
+  const double d = static_cast<double>(m.hidden), V = static_cast<double>(m.vocab), t = l.tp;
+  // Tensor parallel: the block's four weight matrices and the column-parallel biases split; the
+  // LayerNorms and the row-parallel biases (2 d) are replicated. The embedding is vocabulary-
+  // parallel, positions replicated.
+  const double block = 4 * d + (3 * d * d + 3 * d) / t + (d * d) / t + d + (4 * d * d + 4 * d) / t + (4 * d * d) / t + d;
+  const double blocks = ceil_div(m.layers, l.pp);
+  const double embed = V * d / t + static_cast<double>(m.seq) * d;
+  // The last stage keeps its own copy of a tied head when the pipeline splits them.
+  const double head = 2 * d + ((!m.tied || l.pp > 1) ? V * d / t : 0.0);
+  if (l.pp == 1) return embed + blocks * block + head;
+  return std::max(embed, head) + blocks * block;
+}
+
+Memory model_states(double psi, int zero, int dp, bool bf16, Offload offload, int grad_bytes) {
+  const double p = bf16 ? 2 : 4, g = grad_bytes, k = bf16 ? 12 : 8;
+  Memory mem;
+  mem.params = p * psi / (zero >= 3 ? dp : 1);
+  mem.grads = g * psi / (zero >= 2 ? dp : 1);
+  mem.optimizer = k * psi / (zero >= 1 ? dp : 1);
+  if (offload != Offload::kNone) mem.optimizer = 0;
+  if (offload == Offload::kOptimizerAndParams) mem.params = 0;
+  return mem;
+}
+
+namespace {
+// A block's rate at n tokens, width d, tp: the measured point of the same width and tp nearest
+// in tokens (log scale), else peak x efficiency with a third of the time in forward.
+ComputePoint compute_rate(const ClusterSpec& c, int64_t tokens, int64_t hidden, int tp) {
+  const ComputePoint* best = nullptr;
+  double best_d = 0;
+  for (const auto& p : c.compute) {
+    if (p.hidden != hidden || p.tp != tp) continue;
+    const double dist = std::abs(std::log(static_cast<double>(p.tokens) / static_cast<double>(tokens)));
+    if (!best || dist < best_d) best = &p, best_d = dist;
+  }
+  if (best) {
+    TS_CHECK(c.measured_devices == 0 || c.measured_devices == c.world(), "plan: the cluster's compute was measured with ",
+             c.measured_devices, " ranks at once, not ", c.world(), ": calibrate again with -n ", c.world());
+    return *best;
+  }
+  TS_CHECK(c.peak_flops > 0, "plan: no measured compute rate for width ", hidden, " at tp ", tp,
+           " and no peak_flops: run `torchspeed plan --calibrate` with this model");
+  ComputePoint p;
+  p.tokens = 0;  // marks "from the peak": the caller adds the elementwise traffic
+  p.flops_per_s = c.peak_flops * c.efficiency;
+  return p;
+}
+
+// Time of a reduce-scatter or all-gather (`all_reduce`: both) of `bytes` over a group of `n`
+// ranks spaced `stride` ranks apart, hierarchical across nodes; `sharing`: groups that use the
+// same node link at once.
+double collective(const ClusterSpec& c, double bytes, int n, int stride, bool all_reduce) {
+  if (n <= 1) return 0;
+  const int dpn = c.devices_per_node;
+  const int hosts = std::max(1, n * stride / dpn);
+  const int local = n / hosts;
+  const double passes = all_reduce ? 2.0 : 1.0;
+  double t = 0;
+  if (local > 1) t += passes * (c.intra.latency + (local - 1.0) / local * bytes / c.intra.bandwidth);
+  if (hosts > 1) {
+    TS_CHECK(c.inter.bandwidth > 0, "plan: the layout crosses nodes but cluster.inter is not given");
+    const double sharing = static_cast<double>(dpn) / local;  // the node's groups share its link
+    t += passes * (c.inter.latency * (hosts - 1) + sharing * (hosts - 1.0) / hosts * bytes / c.inter.bandwidth);
+  }
+  return t;
+}
+
+const Link& link_between(const ClusterSpec& c, int stride) { return stride >= c.devices_per_node ? c.inter : c.intra; }
+}  // namespace
+
+Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t, const Layout& l) {
+  Estimate e;
+  e.layout = l;
+  const double psi = params_per_rank(m, l);
+  const double b = t.bf16 ? 2 : 4, pb = t.bf16 ? 2 : 4, g = 4, k = t.bf16 ? 12 : 8;
+  const double d = static_cast<double>(m.hidden), V = static_cast<double>(m.vocab), tp = l.tp;
+  const double n = static_cast<double>(l.micro * m.seq);  // tokens of a micro-batch
+  const double blocks = ceil_div(m.layers, l.pp);
+  const int64_t mb = l.accumulation;  // micro-batches per step and pipeline
+
+  // Memory (Note [Plan model]).
+  e.memory = model_states(psi, l.zero, l.dp, t.bf16, l.offload);
+  const double scores = t.flash_attention ? 0.0 : 5.0 * static_cast<double>(m.heads * m.seq) / tp * (b / 2);
+  const double block_full = n * (b * d * (4 + 13 / tp) + 4.0 * static_cast<double>(m.heads) / tp + scores);
+  const double block_kept = l.checkpointing ? n * b * d : block_full;
+  // The head: its LayerNorm output, the fp32 log-softmax kept for the loss's backward, and in
+  // that backward the log-softmax's gradient and the logits' gradient.
+  const double head = n * (b * d + 3 * (V / tp) * 4);
+  const double first = std::min<double>(l.pp, static_cast<double>(mb)) * blocks * block_kept;
+  const double last = blocks * block_kept + head;
+  const double replay = l.checkpointing ? block_full : 0.0;
+  e.memory.activations = std::max(l.pp > 1 ? first : 0.0, last) + replay;
+  const double layer = static_cast<double>(m.block_params()) / tp;
+  const double bucket = std::min(static_cast<double>(t.reduce_bucket_size), psi);
+  // Stages 0-2 accumulate gradients straight into their flat buffers; stage 3 gathers a layer's
+  // gradient whole before its reduce-scatter.
+  double buf = 0;
+  switch (l.zero) {
+    case 0: break;
+    case 1: buf = bucket * g / l.dp; break;
+    case 2: buf = (t.overlap_comm ? 2 : 1) * bucket * g + bucket * g / l.dp; break;
+    default: buf = std::min(static_cast<double>(t.prefetch_bucket_size) + layer, psi) * pb + layer * g + layer * g / l.dp;
+  }
+  if (l.offload != Offload::kNone) {
+    const double update = psi / l.dp;
+    buf += std::min(static_cast<double>(t.offload_buffer_count * t.offload_buffer_size) * 4, k * update);
+  }
+  e.memory.buffers = buf;
+  e.fits = e.memory.total() <= c.memory;
+
+  // Step time.
+  const ComputePoint rate = compute_rate(c, l.micro * m.seq, m.hidden, l.tp);
+  const double block_flops = n * (6.0 * static_cast<double>(m.block_params()) / tp + 12.0 * d * static_cast<double>(m.seq) / tp);
+  const double head_flops = n * 6.0 * d * V / tp;
+  // A checkpointed block runs its forward again in backward.
+  const double replayed = l.checkpointing ? 1.0 + rate.forward_share : 1.0;
+  double t_block = block_flops * replayed / rate.flops_per_s;
+  if (rate.tokens == 0 && c.memory_bandwidth > 0) {
+    const double act = (b / 2) * (10 * d + 24 * d / tp + (t.flash_attention ? 0.0 : 5.0 * static_cast<double>(m.heads * m.seq) / tp));
+    t_block += n * act * (l.checkpointing ? 4 : 3) / c.memory_bandwidth;
+  }
+  const double t_stage = blocks * t_block + head_flops / rate.flops_per_s;
+  const double act_bytes = n * d * b;
+  const Link& tpl = link_between(c, l.tp > 1 && l.tp > c.devices_per_node ? c.devices_per_node : 1);
+  // Four all-reduces per block (six when replayed; none more when the measured block included
+  // them), two for the vocabulary-parallel embedding and loss.
+  const double per_block = rate.with_tp_comm ? 0.0 : l.checkpointing ? 6 : 4;
+  const double t_tp = l.tp > 1 ? (blocks * per_block + 2) * (tpl.latency + 2.0 * (tp - 1) / tp * act_bytes / tpl.bandwidth) : 0.0;
+  const Link& ppl = link_between(c, l.tp * l.dp);
+  const double t_pp = l.pp > 1 ? 2 * (ppl.latency + act_bytes / ppl.bandwidth) : 0.0;
+  e.time.compute = static_cast<double>(mb) * t_stage;
+  e.time.tp_comm = static_cast<double>(mb) * t_tp;
+  e.time.pp_comm = static_cast<double>(mb) * t_pp;
+  e.time.bubble = (l.pp - 1) * (t_stage + t_tp + t_pp);
+  if (c.cores_per_node > 0 && c.cores_per_node < c.devices_per_node && l.pp > 1) {
+    // While the pipeline fills and drains, on average 1 / pp of the node's ranks wait.
+    const double dpn = c.devices_per_node, cores = c.cores_per_node;
+    const double active = dpn * (1.0 - 1.0 / l.pp);
+    e.time.bubble *= (cores / dpn) / std::min(1.0, cores / active);
+  }
+  const int stride = l.tp;
+  double grad_comm = 0, param_comm = 0;
+  switch (l.zero) {
+    case 0: grad_comm = collective(c, psi * g, l.dp, stride, true); break;
+    case 1:
+      grad_comm = collective(c, psi * g, l.dp, stride, false);
+      param_comm = collective(c, psi * pb, l.dp, stride, false);
+      break;
+    case 2:
+      grad_comm = static_cast<double>(mb) * collective(c, psi * g, l.dp, stride, false);
+      param_comm = collective(c, psi * pb, l.dp, stride, false);
+      break;
+    default:
+      grad_comm = static_cast<double>(mb) * collective(c, psi * g, l.dp, stride, false);
+      param_comm = static_cast<double>(mb) * 2 * collective(c, psi * pb, l.dp, stride, false);
+  }
+  const double backward = e.time.compute * 2.0 / 3.0;
+  const double hidden = t.overlap_comm ? std::min(c.overlap * grad_comm, backward) : 0.0;
+  e.time.dp_comm = grad_comm - hidden + param_comm;
+  const double update = psi / (l.zero >= 1 ? l.dp : 1);
+  e.time.optimizer = update / c.optimizer_rate;
+  if (l.offload != Offload::kNone) {
+    TS_CHECK(c.nvme_bandwidth > 0, "plan: offload needs cluster.nvme_bandwidth");
+    const double per_rank_bw = c.nvme_bandwidth / c.devices_per_node;
+    double bytes = 2 * k * update;  // states read and written back
+    if (l.offload == Offload::kOptimizerAndParams) bytes += (2.0 * static_cast<double>(mb) + 1) * pb * psi / l.dp;
+    e.time.offload = bytes / per_rank_bw;
+  }
+  const double tokens = static_cast<double>(t.global_batch * m.seq);
+  e.flops_per_device = m.flops_per_token(false) * tokens / e.time.total() / c.world();
+  return e;
+}
+
+std::vector<Estimate> search(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t) {
+  std::vector<Estimate> out;
+  const int world = c.world();
+  for (int tp = 1; tp <= c.devices_per_node; ++tp) {
+    if (c.devices_per_node % tp || m.heads % tp || m.vocab % tp) continue;
+    for (int pp = 1; pp <= m.layers && tp * pp <= world; ++pp) {
+      if (m.layers % pp || world % (tp * pp)) continue;
+      const int dp = world / (tp * pp);
+      if (t.global_batch % dp) continue;
+      const int64_t per_dp = t.global_batch / dp;
+      for (int zero = 0; zero <= 3; ++zero) {
+        if (zero >= 2 && pp > 1) continue;  // the engine refuses ZeRO 2-3 with a pipeline, as DeepSpeed
+        std::vector<Offload> offloads{Offload::kNone};
+        if (c.nvme_bandwidth > 0 && zero >= 1) offloads.push_back(Offload::kOptimizer);
+        if (c.nvme_bandwidth > 0 && zero == 3) offloads.push_back(Offload::kOptimizerAndParams);
+        for (Offload off : offloads)
+          for (int64_t micro = 1; micro <= per_dp; micro *= 2) {
+            if (per_dp % micro) continue;
+            for (bool ckpt : {false, true}) {
+              Layout l{dp, tp, pp, zero, off, micro, per_dp / micro, ckpt};
+              out.push_back(estimate(m, c, t, l));
+            }
+          }
+      }
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [](const Estimate& a, const Estimate& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.time.total() < b.time.total();
+  });
+  return out;
+}
+
+nlohmann::json to_json(const Estimate& e) {
+  const Layout& l = e.layout;
+  return {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"zero", l.zero}, {"offload", offload_name(l.offload)},
+          {"micro", l.micro}, {"accumulation", l.accumulation}, {"checkpointing", l.checkpointing},
+          {"fits", e.fits},
+          {"memory", {{"params", e.memory.params}, {"grads", e.memory.grads}, {"optimizer", e.memory.optimizer},
+                      {"activations", e.memory.activations}, {"buffers", e.memory.buffers}, {"total", e.memory.total()}}},
+          {"time", {{"compute", e.time.compute}, {"bubble", e.time.bubble}, {"tp_comm", e.time.tp_comm}, {"pp_comm", e.time.pp_comm},
+                    {"dp_comm", e.time.dp_comm}, {"optimizer", e.time.optimizer}, {"offload", e.time.offload},
+                    {"total", e.time.total()}}},
+          {"flops_per_device", e.flops_per_device}};
+}
+
+}  // namespace torchspeed::plan

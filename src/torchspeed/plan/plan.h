@@ -1,0 +1,159 @@
+// `torchspeed plan`'s model: per-rank memory and step time of GPT training for a layout
+// (dp x tp x pp, ZeRO stage, offload, micro-batch, activation checkpointing) on a cluster, and
+// the search over every feasible layout. Plain arithmetic: no tensors, no communication.
+//
+// Note [Plan model]
+// Memory, bytes per rank, at the peak of a training step (the rank that holds the most):
+//  - model states, the ZeRO paper's formulas over this rank's parameters Psi_r (its pipeline
+//    stage, its tensor-parallel slice): parameters p bytes, gradients g, optimizer states K
+//    (fp32 training: p = g = 4, K = 8 for Adam's two moments; bf16: p = 2, gradients in the
+//    fp32 accumulation dtype g = 4, K = 12 with the fp32 master). Stage 1 divides K by dp,
+//    stage 2 K and g, stage 3 all three. Optimizer offload to NVMe moves K (and at stage 3 with
+//    parameter offload, p) out of memory, leaving the swapper's buffers;
+//  - activations, counted from what our GPT block saves for backward, per token of a micro-batch
+//    (n tokens, width d, b bytes of the compute dtype): the block's input, the two LayerNorm
+//    outputs and the residual sum (4 d, replicated under tensor parallelism), and q, k, v, the
+//    attention output and its transposed copy, the MLP's input to GELU and GELU's output
+//    (3 + 1 + 1 + 4 + 4 = 13 d, divided by tp): 17 d per token for a dense block (without
+//    flash attention, the scores, their softmax and dropout mask add 5 a T / tp bytes in 16-bit,
+//    Korthikanti et al.). With
+//    checkpointing only the block's input (d) stays, plus one block's full set while it is
+//    replayed. The head keeps its LayerNorm output (d) and the fp32 log-softmax (V / tp), and
+//    its backward adds the log-softmax's and the logits' gradients (2 V / tp). 1F1B keeps
+//    min(pp - s, m) micro-batches on stage s;
+//  - buffers: the gradient bucket being reduced (reduce_bucket_size elements, or the rank's
+//    parameters if fewer) at stage 2, its reduce-scatter output at stages 1-2 (stages 0-2
+//    accumulate into their flat gradient buffers), and at stage 3 the gathered parameters (the
+//    prefetch bucket plus the running layer, at most all of them) and one layer's gradient
+//    before its reduce-scatter.
+// Step time, seconds: compute of the slowest pipeline stage, (m + pp - 1) micro-batches with
+// the bubble, at the rate measured for this block shape (`--calibrate`) or else the GEMMs at the
+// device's peak times its efficiency plus the block's elementwise traffic (Korthikanti et al.'s
+// activation bytes, 10 d + 24 d / tp (+ 5 a T / tp without flash attention) per token in 16-bit,
+// written in forward, read and their gradients written in backward, written again when
+// replayed) at its memory bandwidth (on a CPU node with more ranks than cores, the bubble is shortened: the
+// ranks still computing get the idle ranks' cores); tensor-parallel all-reduces (4 per block per micro-batch, 6 with
+// checkpointing); pipeline sends (2 per micro-batch); data-parallel collectives, each on the
+// slowest link its group crosses, hierarchical across hosts (the link carries (h-1)/h of the
+// bytes of a reduce-scatter or all-gather, twice that for an all-reduce), the gradient
+// reduction hidden behind backward by the cluster's overlap fraction; the optimizer update of
+// this rank's partition; and with offload, the optimizer states' (and parameters') NVMe traffic.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torchspeed::plan {
+
+// A GPT as models::GPTConfig builds it (learned positions, tied head by default).
+struct ModelSpec {
+  int64_t layers = 12, hidden = 768, heads = 12, seq = 1024, vocab = 50257;
+  bool tied = true;
+  int64_t params() const;
+  int64_t block_params() const;
+  // Training FLOPs per token: forward + backward (6 per parameter, 12 L d T for attention);
+  // with `recompute`, forward once more (8 and 16).
+  double flops_per_token(bool recompute) const;
+  static ModelSpec from_json(const nlohmann::json& j);  // {"layers", "hidden", ...}
+  nlohmann::json to_json() const;
+};
+
+// A link class: all-reduce bus bandwidth (bytes/s) and per-collective latency (s).
+struct Link {
+  double bandwidth = 0, latency = 0;
+};
+
+// One measured compute point: a block's forward + backward at n tokens, width d, tp, as one of
+// the cluster's ranks runs it while every other rank does the same.
+struct ComputePoint {
+  int64_t tokens = 0, hidden = 0, tp = 1;
+  double flops_per_s = 0;      // forward + backward
+  double forward_share = 1.0 / 3.0;  // forward's part of that time (what a replay costs again)
+  bool with_tp_comm = false;   // the block's tensor-parallel all-reduces are in the time
+};
+
+struct ClusterSpec {
+  int nodes = 1, devices_per_node = 1;
+  double memory = 0;           // bytes per device
+  double peak_flops = 0;       // per device, in the compute dtype
+  double efficiency = 0.5;     // GEMM rate / peak, when no measured point applies
+  // Bytes/s a device moves between its memory and its cores: the elementwise work of a block
+  // (LayerNorm, softmax, GELU, dropout, residuals) runs at this rate, not at the GEMM rate
+  // (0: counted in `efficiency`).
+  double memory_bandwidth = 0;
+  Link intra, inter;           // within a node, across nodes (per node's link)
+  double optimizer_rate = 0;   // parameters per second one device updates (Adam)
+  double nvme_bandwidth = 0;   // bytes/s per node (read and write each)
+  double overlap = 1.0;        // fraction of gradient reduction that backward can hide
+  // From --calibrate: measured with `measured_devices` ranks running at once (on a CPU they share
+  // cores, so the points hold only for that many devices).
+  std::vector<ComputePoint> compute;
+  int measured_devices = 0;
+  // CPU nodes (0: devices own their compute, as GPUs): when a node's ranks outnumber its cores,
+  // the measured rates are shares of the cores, and a rank idle in the pipeline bubble gives its
+  // share to the ranks still computing.
+  int cores_per_node = 0;
+  std::string source;          // where the numbers came from
+  int world() const { return nodes * devices_per_node; }
+  static ClusterSpec from_json(const nlohmann::json& j);
+  nlohmann::json to_json() const;
+};
+
+enum class Offload { kNone, kOptimizer, kOptimizerAndParams };  // to NVMe
+const char* offload_name(Offload o);
+
+struct Layout {
+  int dp = 1, tp = 1, pp = 1, zero = 0;
+  Offload offload = Offload::kNone;
+  int64_t micro = 1, accumulation = 1;
+  bool checkpointing = false;
+  std::string describe() const;
+};
+
+struct TrainingSpec {
+  int64_t global_batch = 8;
+  bool bf16 = false;
+  int64_t reduce_bucket_size = 500000000;          // elements (DeepSpeed's default)
+  int64_t prefetch_bucket_size = 50000000;         // stage3_prefetch_bucket_size
+  bool overlap_comm = false;
+  // Fused (flash) attention never stores the [T, T] scores (ours, LibTorch 2.x's SDPA); without
+  // it, softmax and dropout over them add 5 a T bytes per token to a block's activations.
+  bool flash_attention = true;
+  int64_t offload_buffer_count = 5, offload_buffer_size = 100000000;  // elements
+};
+
+struct Memory {
+  double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
+  double total() const { return params + grads + optimizer + activations + buffers; }
+};
+
+struct StepTime {
+  double compute = 0, bubble = 0, tp_comm = 0, pp_comm = 0, dp_comm = 0, optimizer = 0, offload = 0;
+  double total() const { return compute + bubble + tp_comm + pp_comm + dp_comm + optimizer + offload; }
+};
+
+struct Estimate {
+  Layout layout;
+  Memory memory;
+  StepTime time;
+  double flops_per_device = 0;  // the model's training FLOPs per second per device
+  bool fits = false;
+  std::string why_not;  // when the layout is impossible (set by search's checks)
+};
+
+// Parameters on the rank that holds the most (pipeline stage and tp slice).
+double params_per_rank(const ModelSpec& m, const Layout& l);
+// The ZeRO paper's model states per rank, bytes (no activations, no buffers); gradients in
+// `grad_bytes` (4: fp32 accumulation, the engine's default; 2: the paper's fp16 gradients).
+Memory model_states(double psi, int zero, int dp, bool bf16, Offload offload, int grad_bytes = 4);
+Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t, const Layout& l);
+// Every layout of the cluster's devices that the engine accepts (tp divides heads and a node,
+// pp divides layers, ZeRO 2-3 without pipeline, offload needs a stage, the batch divides),
+// estimated; sorted fastest first, those that do not fit after those that do.
+std::vector<Estimate> search(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t);
+nlohmann::json to_json(const Estimate& e);
+
+}  // namespace torchspeed::plan

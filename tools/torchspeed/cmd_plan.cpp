@@ -1,0 +1,328 @@
+// `torchspeed plan`: predicts per-rank memory and step time of GPT training for every layout of a
+// cluster (dp x tp x pp, ZeRO stage, offload, micro-batch, checkpointing) and ranks them
+// (plan/plan.h, Note [Plan model]).
+//   torchspeed plan --cluster C.json (--config TRAIN.json | --layers L --hidden D --heads A
+//                   --seq T --vocab V [--batch B] [--bf16]) [--top K] [--layout SPEC] [--json F]
+//   torchspeed plan --calibrate --out C.json -n R [--hostfile F] (model options) [--max-micro M]
+// --calibrate measures this machine for the model: a block's forward + backward at each
+// micro-batch size and tensor-parallel slice (1 thread and every core), the fused Adam update,
+// and all-reduce within a host and across hosts (R ranks, launched by mpirun), and writes a
+// cluster file the plan reads.
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "commands.h"
+#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/comm/communicator.h"
+#include "torchspeed/config/config.h"
+#include "torchspeed/models/gpt.h"
+#include "torchspeed/optim/fused_optimizers.h"
+#include "torchspeed/plan/plan.h"
+#include "torchspeed/runtime/cpu.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/tensor_parallel/layers.h"
+
+namespace torchspeed::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The median of `runs` timings of f after one warm-up call.
+template <typename F>
+double median_time(int runs, F&& f) {
+  f();
+  std::vector<double> t;
+  for (int i = 0; i < runs; ++i) {
+    const auto s = Clock::now();
+    f();
+    t.push_back(seconds_since(s));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// One rank's share of a GPT block under tensor parallelism `tp`: the LayerNorms, q/k/v and the
+// MLP's first layer column-split (3d/tp, 4d/tp outputs), causal attention over heads/tp, the
+// two row-split projections (d/tp, 4d/tp inputs), with the all-reduces of models::GPTBlockTP
+// over `group` (two in forward, two in backward; none at tp 1): a rank's block as training runs
+// it, waits for its partners included. Forward (+ backward), seconds.
+double time_block(const plan::ModelSpec& m, int64_t micro, int tp, at::ScalarType dtype, bool backward,
+                  const comm::CommunicatorPtr& group) {
+  const int64_t d = m.hidden, T = m.seq, H = m.heads / tp, hd = d / m.heads;
+  auto opts = at::TensorOptions().dtype(dtype);
+  auto param = [&](std::vector<int64_t> shape) { return (at::randn(shape, opts) * 0.02).set_requires_grad(true); };
+  at::Tensor w_qkv = param({3 * d / tp, d}), b_qkv = param({3 * d / tp}), w_proj = param({d, d / tp}), b_proj = param({d});
+  at::Tensor w_fc = param({4 * d / tp, d}), b_fc = param({4 * d / tp}), w_out = param({d, 4 * d / tp}), b_out = param({d});
+  at::Tensor g1 = param({d}), g2 = param({d}), n1 = param({d}), n2 = param({d});
+  at::Tensor x = at::randn({micro, T, d}, opts).set_requires_grad(true);
+  return median_time(7, [&] {
+    at::AutoGradMode grad(backward);
+    auto in = [&](const at::Tensor& t) { return tp > 1 ? tensor_parallel::copy_to_region(t, group) : t; };
+    auto out_of = [&](const at::Tensor& t) { return tp > 1 ? tensor_parallel::reduce_from_region(t, group) : t; };
+    at::Tensor a = in(at::layer_norm(x, {d}, g1, n1));
+    auto parts = at::linear(a, w_qkv, b_qkv).view({micro, T, 3, H, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+    at::Tensor y = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, 0.0, true);
+    at::Tensor h = x + out_of(at::linear(y.transpose(1, 2).reshape({micro, T, H * hd}), w_proj, b_proj));
+    at::Tensor out = h + out_of(at::linear(at::gelu(at::linear(in(at::layer_norm(h, {d}, g2, n2)), w_fc, b_fc)), w_out, b_out));
+    if (!backward) return;
+    out.sum().backward();
+    for (auto* t : {&x, &w_qkv, &w_fc}) t->mutable_grad() = at::Tensor();
+  });
+}
+
+double time_adam(int64_t n) {
+  std::vector<float> p(static_cast<size_t>(n), 0.5f), g(static_cast<size_t>(n), 0.01f), m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+  optim::AdamHyper h;
+  h.step = 1;
+  return median_time(3, [&] {
+    optim::adam_step(p.data(), g.data(), at::kFloat, 1.0f, m.data(), v.data(), n, h, nullptr, optim::ParamOut::kNone);
+  });
+}
+
+int64_t mem_total_bytes();
+
+struct CalibrationRequest {
+  plan::ModelSpec model;
+  bool bf16 = false;
+  int64_t max_micro = 8;
+};
+
+// The measuring part of --calibrate, on every rank at once (under mpirun, or alone): a block's
+// forward + backward and forward alone at each micro-batch size and tp slice, the Adam update,
+// then all-reduce within a host and across hosts. Every rank measures while the others do the
+// same, as training runs them; the times are averaged over ranks. Rank 0 writes the cluster.
+int calibrate_worker(const CalibrationRequest& q, const std::string& out) {
+  const Runtime& rt = init();
+  auto world = comm::Communicator::world();
+  const plan::ModelSpec& m = q.model;
+  auto mean_over_ranks = [&](double v) {
+    at::Tensor t = at::full({1}, v, at::kDouble);
+    world->all_reduce(t);
+    return t.item<double>() / world->size();
+  };
+  plan::ClusterSpec c;
+  c.nodes = rt.num_nodes;
+  c.devices_per_node = rt.local_size;
+  c.measured_devices = rt.world_size;
+  // Network-namespace hosts share this machine's cores: each gets its share.
+  c.cores_per_node = std::max(1, cpu::features().affinity_cores * rt.local_size / rt.world_size);
+  c.memory = static_cast<double>(mem_total_bytes()) / rt.local_size;
+  c.overlap = 0.0;  // a CPU rank's communication runs on the cores its backward computes on
+  c.source = concat("torchspeed plan --calibrate: ", cpu::features().model_name, ", ", cpu::features().affinity_cores, " cores, ",
+                    rt.world_size, " ranks of ", rt.intra_op_threads, " threads");
+  const at::ScalarType dtype = q.bf16 ? at::kBFloat16 : at::kFloat;
+  if (rt.rank == 0)
+    std::printf("plan --calibrate: GPT block (d %ld, %ld heads, seq %ld, %s) on %d ranks at once (%d per node, %d threads each)\n",
+                static_cast<long>(m.hidden), static_cast<long>(m.heads), static_cast<long>(m.seq), q.bf16 ? "bf16" : "fp32",
+                rt.world_size, rt.local_size, rt.intra_op_threads);
+  for (int tp = 1; tp <= rt.local_size; ++tp) {
+    if (m.heads % tp || rt.local_size % tp) continue;
+    // Tensor-parallel groups of consecutive ranks within a node, as the process grid makes them.
+    auto group = world->split(rt.rank / tp, rt.rank, concat("plan-tp", tp));
+    for (int64_t micro = 1; micro <= q.max_micro; micro *= 2) {
+      world->barrier();
+      const double both = mean_over_ranks(time_block(m, micro, tp, dtype, true, group));
+      world->barrier();
+      const double fwd = mean_over_ranks(time_block(m, micro, tp, dtype, false, group));
+      const double flops = static_cast<double>(micro * m.seq) *
+                           (6.0 * static_cast<double>(m.block_params()) / tp + 12.0 * static_cast<double>(m.hidden * m.seq) / tp);
+      c.compute.push_back({micro * m.seq, m.hidden, tp, flops / both, fwd / both, /*with_tp_comm=*/true});
+      if (rt.rank == 0)
+        std::printf("  tp %d micro %3ld: forward + backward %8.2f ms (%6.1f GFLOP/s), forward %5.1f%%\n", tp, static_cast<long>(micro),
+                    both * 1e3, flops / both / 1e9, 100 * fwd / both);
+    }
+  }
+  const int64_t n = int64_t{4} << 20;
+  world->barrier();
+  c.optimizer_rate = static_cast<double>(n) / mean_over_ranks(time_adam(n));
+  if (rt.rank == 0) std::printf("  Adam update: %.1fM parameters/s per rank\n", c.optimizer_rate / 1e6);
+
+  auto host = world->split(rt.rank / rt.local_size, rt.rank, "plan-host");
+  auto leaders = world->split(rt.local_rank == 0 ? 0 : 1, rt.rank, "plan-leaders");
+  const int64_t bytes = int64_t{64} << 20;
+  // (seconds of a 64 MiB all-reduce, of a 4 KiB one), median of 5, on the ranks taking part.
+  auto measure = [&](const comm::CommunicatorPtr& g, bool take_part) -> std::pair<double, double> {
+    at::Tensor big = at::ones({bytes / 4}), tiny = at::ones({1024});
+    double tb = 0, tt = 0;
+    if (take_part && g->size() > 1) {
+      tb = median_time(5, [&] { g->all_reduce(big); });
+      tt = median_time(5, [&] { g->all_reduce(tiny); });
+    }
+    world->barrier();
+    return {tb, tt};
+  };
+  auto as_link = [&](int ranks, std::pair<double, double> t, const char* what) {
+    plan::Link l{2.0 * (ranks - 1) / ranks * static_cast<double>(bytes) / t.first, t.second};
+    if (rt.rank == 0)
+      std::printf("  %s all-reduce over %d ranks: bus bandwidth %.2f GB/s, latency %.1f us\n", what, ranks, l.bandwidth / 1e9,
+                  l.latency * 1e6);
+    return l;
+  };
+  const auto intra = measure(host, true);
+  c.intra = host->size() > 1 ? as_link(host->size(), intra, "within a node:") : plan::Link{1e12, 0};  // nothing crosses
+  if (rt.num_nodes > 1) c.inter = as_link(leaders->size(), measure(leaders, rt.local_rank == 0), "across nodes: ");
+  if (rt.rank == 0) {
+    checkpoint::write_file_atomic(out, c.to_json().dump(2) + "\n");
+    std::printf("wrote %s\n", out.c_str());
+  }
+  shutdown();
+  return 0;
+}
+
+int64_t mem_total_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  while (in >> key >> kb) {
+    if (key == "MemTotal:") return kb * 1024;
+    in.ignore(256, '\n');
+  }
+  return 0;
+}
+}  // namespace
+
+Runner add_plan(CLI::App& app, const Invocation& inv) {
+  auto* cmd = app.add_subcommand("plan", "Predict memory and step time of every training layout on a cluster, and rank them");
+  struct Opts {
+    std::string cluster, config, layout, json, out, hostfile;
+    bool worker = false;
+    plan::ModelSpec model;
+    bool model_given = false, calibrate = false;
+    plan::TrainingSpec training;
+    int top = 10, ranks = 0, nodes = 0, devices_per_node = 0;
+    int64_t max_micro = 8;
+    double memory = 0;
+  };
+  auto o = std::make_shared<Opts>();
+  cmd->add_option("--cluster", o->cluster, "Cluster file (JSON: plan --calibrate writes one; see plan/plan.h)");
+  cmd->add_option("--config", o->config, "A torchspeed train config: its model, batch, bf16 and ZeRO bucket settings");
+  for (auto [flag, field] : std::vector<std::pair<const char*, int64_t*>>{{"--layers", &o->model.layers}, {"--hidden", &o->model.hidden},
+                                                                          {"--heads", &o->model.heads}, {"--seq", &o->model.seq},
+                                                                          {"--vocab", &o->model.vocab}})
+    cmd->add_option(flag, *field, "Model shape")->check(CLI::PositiveNumber)->each([o](const std::string&) { o->model_given = true; });
+  cmd->add_option("--batch", o->training.global_batch, "Global batch (samples per step)")->check(CLI::PositiveNumber);
+  cmd->add_flag("--bf16", o->training.bf16, "bf16 training (fp32 masters)");
+  cmd->add_option("--nodes", o->nodes, "Override the cluster's nodes")->check(CLI::PositiveNumber);
+  cmd->add_option("--devices-per-node", o->devices_per_node, "Override the cluster's devices (ranks) per node")->check(CLI::PositiveNumber);
+  cmd->add_option("--memory", o->memory, "Override memory per device, bytes")->check(CLI::PositiveNumber);
+  cmd->add_option("--top", o->top, "Layouts to print")->check(CLI::PositiveNumber);
+  cmd->add_option("--layout", o->layout, "Estimate one layout: dp=2,tp=1,pp=1,zero=2,micro=4,ckpt=0[,offload=optimizer]");
+  cmd->add_option("--json", o->json, "Write the estimates as JSON to FILE");
+  cmd->add_flag("--calibrate", o->calibrate, "Measure this machine for the model and write --out");
+  cmd->add_option("--out", o->out, "Where --calibrate writes the cluster file");
+  cmd->add_option("-n,--num-ranks", o->ranks, "--calibrate: ranks (devices) per node x nodes to measure communication with")->check(CLI::PositiveNumber);
+  cmd->add_option("--hostfile", o->hostfile, "--calibrate: hosts to measure the inter-node link across");
+  cmd->add_option("--max-micro", o->max_micro, "--calibrate: the largest micro-batch to measure (powers of two up to it)")->check(CLI::PositiveNumber);
+  cmd->add_flag("--calibrate-worker", o->worker, "(internal) --calibrate's ranks");
+  return [o, &inv]() {
+    plan::ModelSpec& m = o->model;
+    if (!o->config.empty()) {
+      TS_CHECK(!o->model_given, "give the model by --config or by --layers/--hidden/..., not both");
+      const nlohmann::json j = config::read_json_file(o->config);
+      const auto gpt = models::GPTConfig::from_json(j.value("model", nlohmann::json::object()));
+      m.layers = gpt.n_layer, m.hidden = gpt.d_model, m.heads = gpt.n_head, m.seq = gpt.seq_len, m.vocab = gpt.vocab;
+      m.tied = gpt.tie_embeddings;
+      if (j.contains("train_batch_size")) o->training.global_batch = j["train_batch_size"].get<int64_t>();
+      if (j.contains("bf16")) o->training.bf16 = j["bf16"].value("enabled", false);
+      const auto z = j.value("zero_optimization", nlohmann::json::object());
+      o->training.reduce_bucket_size = static_cast<int64_t>(z.value("reduce_bucket_size", 5e8));
+      o->training.prefetch_bucket_size = static_cast<int64_t>(z.value("stage3_prefetch_bucket_size", 5e7));
+      o->training.overlap_comm = z.value("overlap_comm", z.value("stage", 0) == 3);
+    }
+    TS_CHECK(m.hidden % m.heads == 0, "--hidden ", m.hidden, " is not a multiple of --heads ", m.heads);
+
+    if (o->calibrate || o->worker) {
+      TS_CHECK(!o->out.empty(), "--calibrate needs --out FILE");
+      CalibrationRequest q{m, o->training.bf16, o->max_micro};
+      if (o->worker || launcher::under_launcher()) return calibrate_worker(q, o->out);
+      const int ranks = o->ranks > 0 ? o->ranks : 1;
+      if (ranks == 1 && o->hostfile.empty()) return calibrate_worker(q, o->out);
+      launcher::LaunchOptions lo;
+      lo.num_ranks = ranks;
+      lo.hostfile = o->hostfile;
+      lo.program = {inv.self_path, "plan", "--calibrate-worker", "--out", std::filesystem::absolute(o->out).string(),
+                    "--layers", std::to_string(m.layers), "--hidden", std::to_string(m.hidden), "--heads", std::to_string(m.heads),
+                    "--seq", std::to_string(m.seq), "--vocab", std::to_string(m.vocab), "--max-micro", std::to_string(o->max_micro)};
+      if (o->training.bf16) lo.program.push_back("--bf16");
+      const int rc = launcher::run_command(launcher::build_command(lo, launcher::LaunchContext::current()));
+      TS_CHECK(rc == 0, "plan --calibrate: the measurement on ", ranks, " ranks failed (exit ", rc, ")");
+      return 0;
+    }
+
+    TS_CHECK(!o->cluster.empty(), "plan needs --cluster FILE (write one with plan --calibrate, or by hand: plan/plan.h)");
+    plan::ClusterSpec c = plan::ClusterSpec::from_json(config::read_json_file(o->cluster));
+    if (o->nodes > 0) c.nodes = o->nodes;
+    if (o->devices_per_node > 0) c.devices_per_node = o->devices_per_node;
+    if (o->memory > 0) c.memory = o->memory;
+    std::vector<plan::Estimate> estimates;
+    if (!o->layout.empty()) {
+      plan::Layout l;
+      std::stringstream ss(o->layout);
+      std::string kv;
+      while (std::getline(ss, kv, ',')) {
+        const auto eq = kv.find('=');
+        TS_CHECK(eq != std::string::npos, "--layout: '", kv, "' is not KEY=VALUE");
+        const std::string k = kv.substr(0, eq), v = kv.substr(eq + 1);
+        if (k == "offload") {
+          TS_CHECK(v == "none" || v == "optimizer" || v == "optimizer+params", "--layout offload: none, optimizer or optimizer+params, not ", v);
+          l.offload = v == "none" ? plan::Offload::kNone : v == "optimizer" ? plan::Offload::kOptimizer : plan::Offload::kOptimizerAndParams;
+          continue;
+        }
+        const int64_t n = std::stoll(v);
+        if (k == "dp") l.dp = static_cast<int>(n);
+        else if (k == "tp") l.tp = static_cast<int>(n);
+        else if (k == "pp") l.pp = static_cast<int>(n);
+        else if (k == "zero") l.zero = static_cast<int>(n);
+        else if (k == "micro") l.micro = n;
+        else if (k == "ckpt") l.checkpointing = n != 0;
+        else TS_CHECK(false, "--layout: unknown key '", k, "' (dp, tp, pp, zero, micro, ckpt, offload)");
+      }
+      TS_CHECK(l.dp * l.tp * l.pp == c.world(), "--layout: dp x tp x pp = ", l.dp * l.tp * l.pp, " but the cluster has ", c.world(), " devices");
+      TS_CHECK(o->training.global_batch % (l.dp * l.micro) == 0, "--layout: batch ", o->training.global_batch, " is not a multiple of dp x micro");
+      l.accumulation = o->training.global_batch / (l.dp * l.micro);
+      estimates.push_back(plan::estimate(m, c, o->training, l));
+    } else {
+      estimates = plan::search(m, c, o->training);
+    }
+    std::printf("torchspeed plan: GPT %ld layers, d %ld, %ld heads, seq %ld, vocab %ld: %.2fM parameters; batch %ld, %s\n",
+                static_cast<long>(m.layers), static_cast<long>(m.hidden), static_cast<long>(m.heads), static_cast<long>(m.seq),
+                static_cast<long>(m.vocab), static_cast<double>(m.params()) / 1e6, static_cast<long>(o->training.global_batch),
+                o->training.bf16 ? "bf16" : "fp32");
+    std::printf("  cluster: %d nodes x %d devices, %.2f GB each%s%s\n", c.nodes, c.devices_per_node, c.memory / 1e9,
+                c.source.empty() ? "" : "; ", c.source.c_str());
+    // Memory in GB, or MB for small models.
+    const bool small = !estimates.empty() && estimates.front().memory.total() < 1e9;
+    const double unit = small ? 1e6 : 1e9;
+    std::printf("%-52s %9s %9s %9s %9s | %9s %8s %8s %8s %8s %8s %9s\n", "layout", small ? "mem MB" : "mem GB", "states", "act", "buf",
+                "step s", "compute", "bubble", "tp/pp", "dp", "optim", "TFLOP/s");
+    int shown = 0;
+    for (const auto& e : estimates) {
+      if (shown++ >= o->top) break;
+      const auto& mem = e.memory;
+      const auto& t = e.time;
+      std::printf("%-52s %9.3f %9.3f %9.3f %9.3f | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %9.3f%s\n", e.layout.describe().c_str(),
+                  mem.total() / unit, (mem.params + mem.grads + mem.optimizer) / unit, mem.activations / unit, mem.buffers / unit,
+                  t.total(), t.compute, t.bubble, t.tp_comm + t.pp_comm, t.dp_comm, t.optimizer + t.offload, e.flops_per_device / 1e12,
+                  e.fits ? "" : "  does not fit");
+    }
+    if (!o->json.empty()) {
+      nlohmann::json j = {{"model", m.to_json()}, {"cluster", c.to_json()}, {"estimates", nlohmann::json::array()}};
+      for (const auto& e : estimates) j["estimates"].push_back(plan::to_json(e));
+      checkpoint::write_file_atomic(o->json, j.dump(2) + "\n");
+    }
+    return 0;
+  };
+}
+
+}  // namespace torchspeed::cli
