@@ -210,9 +210,92 @@ TEST(Plan, SearchOffersOnlyLayoutsTheEngineAcceptsAndRanksThem) {
   one_node.nodes = 1;
   one_node.devices_per_node = 4;
   EXPECT_GT(estimate(m, c, t, dp2tp2).time.dp_comm, 10 * estimate(m, one_node, t, dp2tp2).time.dp_comm);
-  // A memory budget that nothing fits leaves every layout marked.
+  // A budget between the smallest and the largest layout: those that fit come first, fastest
+  // first, then those that do not; a budget nothing fits marks them all.
+  double lo = 1e300, hi = 0;
+  for (const auto& e : all) lo = std::min(lo, e.memory.total()), hi = std::max(hi, e.memory.total());
+  c.memory = (lo + hi) / 2;
+  const auto mixed = search(m, c, t);
+  size_t fitting = 0;
+  while (fitting < mixed.size() && mixed[fitting].fits) ++fitting;
+  EXPECT_GT(fitting, 0u);
+  EXPECT_LT(fitting, mixed.size());
+  for (size_t i = fitting; i < mixed.size(); ++i) EXPECT_FALSE(mixed[i].fits) << mixed[i].layout.describe();
+  for (size_t i = 1; i < fitting; ++i) EXPECT_LE(mixed[i - 1].time.total(), mixed[i].time.total());
   c.memory = 1e6;
   for (const auto& e : search(m, c, t)) EXPECT_FALSE(e.fits);
+}
+
+// Pipeline stages as the engine cuts them (partition_method "parameters"): GPT-2 small at pp 4
+// puts fewer blocks on the stages with the embedding and the head; every parameter is on one
+// stage, the tied head's weight on the last as a copy.
+TEST(Plan, PipelineStagesBalanceParametersAsTheEngine) {
+  const ModelSpec m{12, 768, 12, 1024, 50257, true};
+  Layout l{1, 1, 4, 1, Offload::kNone, 1, 8, false};
+  const auto stages = pipeline_stages(m, l);
+  ASSERT_EQ(stages.size(), 4u);
+  double total = 0;
+  int64_t blocks = 0;
+  for (const auto& s : stages) total += s.params, blocks += s.blocks;
+  EXPECT_EQ(blocks, 12);
+  EXPECT_DOUBLE_EQ(total, static_cast<double>(m.params()) + 50257.0 * 768);
+  EXPECT_TRUE(stages.front().embed);
+  EXPECT_TRUE(stages.back().head);
+  EXPECT_LT(stages.front().blocks, stages[1].blocks);
+  EXPECT_LT(stages.back().blocks, stages[1].blocks);
+  // The heaviest stage holds less than the embedding plus an even three blocks would.
+  EXPECT_LT(params_per_rank(m, l), 50257.0 * 768 + 1024 * 768 + 3 * static_cast<double>(m.block_params()));
+}
+
+// Groups that straddle nodes cross the link: dp 12 x pp 2 on 3 nodes of 8 (ranks 0-11 span
+// nodes 0 and 1), and the pipeline's boundary crosses nodes too.
+TEST(Plan, GroupsThatStraddleNodesUseTheLink) {
+  const ModelSpec m{4, 256, 4, 128, 256, true};
+  ClusterSpec c;
+  c.nodes = 3;
+  c.devices_per_node = 8;
+  c.memory = 1e12;
+  c.peak_flops = 1e12;
+  c.intra = {1e11, 1e-6};
+  c.inter = {1e9, 1e-5};
+  c.optimizer_rate = 1e9;
+  TrainingSpec t;
+  t.global_batch = 24;
+  const Layout l{12, 1, 2, 1, Offload::kNone, 2, 1, false};
+  ClusterSpec fast = c;
+  fast.inter = c.intra;
+  const Estimate slow_link = estimate(m, c, t, l), fast_link = estimate(m, fast, t, l);
+  EXPECT_GT(slow_link.time.dp_comm, 2 * fast_link.time.dp_comm);
+  EXPECT_GT(slow_link.time.pp_comm, 2 * fast_link.time.pp_comm);
+}
+
+TEST(Plan, LayoutsTheEngineRefusesAreNamed) {
+  const ModelSpec m{4, 256, 4, 128, 256, true};
+  ClusterSpec c;
+  c.nodes = 1;
+  c.devices_per_node = 4;
+  c.memory = 1e12;
+  c.peak_flops = 1e12;
+  c.intra = {1e11, 1e-6};
+  c.optimizer_rate = 1e9;
+  TrainingSpec t;
+  t.global_batch = 16;
+  auto why = [&](Layout l) {
+    if (l.dp > 0 && l.micro > 0) l.accumulation = 16 / (l.dp * l.micro);
+    return check_layout(m, c, t, l);
+  };
+  EXPECT_EQ(why({4, 1, 1, 2, Offload::kNone, 4, 0, false}), "");
+  EXPECT_NE(why({4, 1, 1, 2, Offload::kNone, 0, 0, false}).find(">= 1"), std::string::npos);
+  EXPECT_NE(why({-4, -1, 1, 2, Offload::kNone, 4, 0, false}).find(">= 1"), std::string::npos);
+  EXPECT_NE(why({2, 1, 1, 2, Offload::kNone, 4, 0, false}).find("cluster has 4 devices"), std::string::npos);
+  EXPECT_NE(why({4, 1, 1, 7, Offload::kNone, 4, 0, false}).find("zero must be 0-3"), std::string::npos);
+  EXPECT_NE(why({2, 1, 2, 2, Offload::kNone, 4, 0, false}).find("pipeline"), std::string::npos);
+  EXPECT_NE(why({4, 1, 1, 0, Offload::kOptimizer, 4, 0, false}).find("offload needs"), std::string::npos);
+  EXPECT_EQ(why({1, 4, 1, 0, Offload::kNone, 4, 0, false}), "");
+  const ModelSpec six_heads{4, 264, 6, 128, 256, true};
+  EXPECT_NE(check_layout(six_heads, c, t, {1, 4, 1, 0, Offload::kNone, 4, 4, false}).find("must divide the heads"), std::string::npos);
+  EXPECT_NE(why({4, 1, 1, 0, Offload::kNone, 3, 0, false}).find("not a multiple"), std::string::npos);
+  EXPECT_THROW(estimate(m, c, t, Layout{4, 1, 1, 7, Offload::kNone, 4, 1, false}), torchspeed::Error);
 }
 
 TEST(Plan, ClusterFileErrorsNameTheKey) {

@@ -12,7 +12,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -72,7 +75,14 @@ double time_block(const plan::ModelSpec& m, int64_t micro, int tp, at::ScalarTyp
     auto out_of = [&](const at::Tensor& t) { return tp > 1 ? tensor_parallel::reduce_from_region(t, group) : t; };
     at::Tensor a = in(at::layer_norm(x, {d}, g1, n1));
     auto parts = at::linear(a, w_qkv, b_qkv).view({micro, T, 3, H, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
-    at::Tensor y = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, 0.0, true);
+    at::Tensor y;
+    if (dtype == at::kFloat) {  // as models::GPTBlock: fused attention in fp32, spelled out in bf16
+      y = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, 0.0, true);
+    } else {
+      at::Tensor att = at::matmul(parts[0], parts[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+      att = att.masked_fill(at::ones({T, T}, att.options().dtype(at::kBool)).triu(1), -std::numeric_limits<float>::infinity());
+      y = at::matmul(att.softmax(-1), parts[2]);
+    }
     at::Tensor h = x + out_of(at::linear(y.transpose(1, 2).reshape({micro, T, H * hd}), w_proj, b_proj));
     at::Tensor out = h + out_of(at::linear(at::gelu(at::linear(in(at::layer_norm(h, {d}, g2, n2)), w_fc, b_fc)), w_out, b_out));
     if (!backward) return;
@@ -106,6 +116,14 @@ int calibrate_worker(const CalibrationRequest& q, const std::string& out) {
   const Runtime& rt = init();
   auto world = comm::Communicator::world();
   const plan::ModelSpec& m = q.model;
+  {
+    // Host and tensor-parallel groups below assume every node runs as many ranks.
+    at::Tensor lo = at::full({1}, rt.local_size, at::kInt), hi = lo.clone();
+    world->all_reduce(lo, comm::ReduceOp::kMin);
+    world->all_reduce(hi, comm::ReduceOp::kMax);
+    TS_CHECK(lo.item<int>() == hi.item<int>(), "plan --calibrate: the nodes run ", lo.item<int>(), " to ", hi.item<int>(),
+             " ranks; give every host the same slots");
+  }
   auto mean_over_ranks = [&](double v) {
     at::Tensor t = at::full({1}, v, at::kDouble);
     world->all_reduce(t);
@@ -137,7 +155,7 @@ int calibrate_worker(const CalibrationRequest& q, const std::string& out) {
       const double fwd = mean_over_ranks(time_block(m, micro, tp, dtype, false, group));
       const double flops = static_cast<double>(micro * m.seq) *
                            (6.0 * static_cast<double>(m.block_params()) / tp + 12.0 * static_cast<double>(m.hidden * m.seq) / tp);
-      c.compute.push_back({micro * m.seq, m.hidden, tp, flops / both, fwd / both, /*with_tp_comm=*/true});
+      c.compute.push_back({micro * m.seq, m.hidden, tp, flops / both, fwd / both, /*with_tp_comm=*/true, q.bf16 ? "bf16" : "fp32"});
       if (rt.rank == 0)
         std::printf("  tp %d micro %3ld: forward + backward %8.2f ms (%6.1f GFLOP/s), forward %5.1f%%\n", tp, static_cast<long>(micro),
                     both * 1e3, flops / both / 1e9, 100 * fwd / both);
@@ -199,6 +217,7 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
     bool worker = false;
     plan::ModelSpec model;
     bool model_given = false, calibrate = false;
+    bool calibrate_worker_mode() const { return worker; }
     plan::TrainingSpec training;
     int top = 10, ranks = 0, nodes = 0, devices_per_node = 0;
     int64_t max_micro = 8;
@@ -225,21 +244,55 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--hostfile", o->hostfile, "--calibrate: hosts to measure the inter-node link across");
   cmd->add_option("--max-micro", o->max_micro, "--calibrate: the largest micro-batch to measure (powers of two up to it)")->check(CLI::PositiveNumber);
   cmd->add_flag("--calibrate-worker", o->worker, "(internal) --calibrate's ranks");
-  return [o, &inv]() {
+  return [o, cmd, &inv]() {
     plan::ModelSpec& m = o->model;
+    // Flags given on the command line win over the config's values.
+    const plan::TrainingSpec flags = o->training;
     if (!o->config.empty()) {
       TS_CHECK(!o->model_given, "give the model by --config or by --layers/--hidden/..., not both");
       const nlohmann::json j = config::read_json_file(o->config);
       const auto gpt = models::GPTConfig::from_json(j.value("model", nlohmann::json::object()));
       m.layers = gpt.n_layer, m.hidden = gpt.d_model, m.heads = gpt.n_head, m.seq = gpt.seq_len, m.vocab = gpt.vocab;
       m.tied = gpt.tie_embeddings;
-      if (j.contains("train_batch_size")) o->training.global_batch = j["train_batch_size"].get<int64_t>();
-      if (j.contains("bf16")) o->training.bf16 = j["bf16"].value("enabled", false);
-      const auto z = j.value("zero_optimization", nlohmann::json::object());
-      o->training.reduce_bucket_size = static_cast<int64_t>(z.value("reduce_bucket_size", 5e8));
-      o->training.prefetch_bucket_size = static_cast<int64_t>(z.value("stage3_prefetch_bucket_size", 5e7));
-      o->training.overlap_comm = z.value("overlap_comm", z.value("stage", 0) == 3);
+      auto section = [&](const char* key) {
+        if (!j.contains(key)) return nlohmann::json::object();
+        TS_CHECK(j[key].is_object(), o->config, ": ", key, " must be an object");
+        return j[key];
+      };
+      auto number = [&](const nlohmann::json& obj, const std::string& path, const char* key, double fallback) {
+        if (!obj.contains(key)) return fallback;
+        TS_CHECK(obj[key].is_number(), o->config, ": ", path, key, " must be a number for plan, not ", obj[key].dump());
+        return obj[key].get<double>();
+      };
+      auto flag = [&](const nlohmann::json& obj, const std::string& path, const char* key, bool fallback) {
+        if (!obj.contains(key)) return fallback;
+        TS_CHECK(obj[key].is_boolean(), o->config, ": ", path, key, " must be true or false, not ", obj[key].dump());
+        return obj[key].get<bool>();
+      };
+      plan::TrainingSpec& t = o->training;
+      if (j.contains("train_batch_size")) {
+        t.global_batch = static_cast<int64_t>(number(j, "", "train_batch_size", 0));
+      } else {
+        TS_CHECK(cmd->count("--batch") > 0, o->config, " has no train_batch_size (the global batch depends on dp): give --batch");
+      }
+      // 16-bit training either way: bf16 or fp16 (2-byte parameters, fp32 masters).
+      t.bf16 = flag(section("bf16"), "bf16.", "enabled", false) || flag(section("fp16"), "fp16.", "enabled", false);
+      const auto types = section("data_types");
+      if (types.contains("grad_accum_dtype")) t.grad_bytes = types["grad_accum_dtype"] == "fp32" ? 4 : 2;
+      const auto z = section("zero_optimization");
+      t.reduce_bucket_size = static_cast<int64_t>(number(z, "zero_optimization.", "reduce_bucket_size", 5e8));
+      t.prefetch_bucket_size = static_cast<int64_t>(number(z, "zero_optimization.", "stage3_prefetch_bucket_size", 5e7));
+      if (z.contains("overlap_comm")) t.overlap_comm = flag(z, "zero_optimization.", "overlap_comm", false);
+      // The scores are stored unless the fused kernel runs: fp32 without attention dropout
+      // (Note [Causal attention] in models/gpt.cpp).
+      t.flash_attention = !t.bf16 && gpt.dropout == 0.0;
+    } else if (!o->calibrate_worker_mode()) {
+      for (const char* f : {"--layers", "--hidden", "--heads", "--seq", "--vocab"})
+        TS_CHECK(cmd->count(f) > 0, "plan: give the model by --config FILE or all of --layers --hidden --heads --seq --vocab (", f, " is missing)");
+      o->training.flash_attention = !o->training.bf16;
     }
+    if (cmd->count("--batch")) o->training.global_batch = flags.global_batch;
+    if (cmd->count("--bf16")) o->training.bf16 = true, o->training.flash_attention = false;
     TS_CHECK(m.hidden % m.heads == 0, "--hidden ", m.hidden, " is not a multiple of --heads ", m.heads);
 
     if (o->calibrate || o->worker) {
@@ -279,7 +332,9 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
           l.offload = v == "none" ? plan::Offload::kNone : v == "optimizer" ? plan::Offload::kOptimizer : plan::Offload::kOptimizerAndParams;
           continue;
         }
-        const int64_t n = std::stoll(v);
+        int64_t n = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+        TS_CHECK(ec == std::errc() && end == v.data() + v.size(), "--layout ", k, ": '", v, "' is not a whole number");
         if (k == "dp") l.dp = static_cast<int>(n);
         else if (k == "tp") l.tp = static_cast<int>(n);
         else if (k == "pp") l.pp = static_cast<int>(n);
@@ -288,9 +343,9 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
         else if (k == "ckpt") l.checkpointing = n != 0;
         else TS_CHECK(false, "--layout: unknown key '", k, "' (dp, tp, pp, zero, micro, ckpt, offload)");
       }
-      TS_CHECK(l.dp * l.tp * l.pp == c.world(), "--layout: dp x tp x pp = ", l.dp * l.tp * l.pp, " but the cluster has ", c.world(), " devices");
-      TS_CHECK(o->training.global_batch % (l.dp * l.micro) == 0, "--layout: batch ", o->training.global_batch, " is not a multiple of dp x micro");
-      l.accumulation = o->training.global_batch / (l.dp * l.micro);
+      if (l.dp > 0 && l.micro > 0) l.accumulation = o->training.global_batch / (static_cast<int64_t>(l.dp) * l.micro);
+      const std::string bad = plan::check_layout(m, c, o->training, l);
+      TS_CHECK(bad.empty(), "--layout ", o->layout, ": ", bad);
       estimates.push_back(plan::estimate(m, c, o->training, l));
     } else {
       estimates = plan::search(m, c, o->training);
@@ -314,7 +369,7 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
       std::printf("%-52s %9.3f %9.3f %9.3f %9.3f | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %9.3f%s\n", e.layout.describe().c_str(),
                   mem.total() / unit, (mem.params + mem.grads + mem.optimizer) / unit, mem.activations / unit, mem.buffers / unit,
                   t.total(), t.compute, t.bubble, t.tp_comm + t.pp_comm, t.dp_comm, t.optimizer + t.offload, e.flops_per_device / 1e12,
-                  e.fits ? "" : "  does not fit");
+                  e.fits ? "" : e.why_not.empty() ? "  does not fit" : ("  not estimated: " + e.why_not).c_str());
     }
     if (!o->json.empty()) {
       nlohmann::json j = {{"model", m.to_json()}, {"cluster", c.to_json()}, {"estimates", nlohmann::json::array()}};

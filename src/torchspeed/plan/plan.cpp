@@ -4,13 +4,12 @@
 #include <cmath>
 #include <limits>
 
+#include "torchspeed/pipeline/partition.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::plan {
 
 namespace {
-double ceil_div(int64_t a, int64_t b) { return static_cast<double>((a + b - 1) / b); }
-
 // Reads a positive number at j[key] (required when `fallback` is NaN), naming the path.
 double number(const nlohmann::json& j, const std::string& path, const std::string& key,
               double fallback = std::numeric_limits<double>::quiet_NaN()) {
@@ -88,6 +87,7 @@ ClusterSpec ClusterSpec::from_json(const nlohmann::json& j) {
     cp.flops_per_s = p.at("flops_per_s").get<double>();
     cp.forward_share = p.value("forward_share", 1.0 / 3.0);
     cp.with_tp_comm = p.value("with_tp_comm", false);
+    cp.dtype = p.value("dtype", std::string());
     c.compute.push_back(cp);
   }
   c.measured_devices = static_cast<int>(number(j, "cluster", "measured_devices", 0));
@@ -109,7 +109,8 @@ nlohmann::json ClusterSpec::to_json() const {
   j["compute"] = nlohmann::json::array();
   for (const auto& p : compute)
     j["compute"].push_back({{"tokens", p.tokens}, {"hidden", p.hidden}, {"tp", p.tp}, {"flops_per_s", p.flops_per_s},
-                            {"forward_share", p.forward_share}, {"with_tp_comm", p.with_tp_comm}});
+                            {"forward_share", p.forward_share}, {"with_tp_comm", p.with_tp_comm},
+                            {"dtype", p.dtype}});
   return j;
 }
 
@@ -127,18 +128,47 @@ std::string Layout::describe() const {
                 " micro ", micro, " x", accumulation, checkpointing ? " ckpt" : "");
 }
 
-double params_per_rank(const ModelSpec& m, const Layout& l) {
+namespace {
+// A block's parameters on one tensor-parallel rank: the four weight matrices and the column-
+// parallel biases split; the LayerNorms and the row-parallel biases (2 d) replicated.
+double block_params_tp(const ModelSpec& m, int tp) {
+  const double d = static_cast<double>(m.hidden), t = tp;
+  return 4 * d + (3 * d * d + 3 * d) / t + (d * d) / t + d + (4 * d * d + 4 * d) / t + (4 * d * d) / t + d;
+}
+}  // namespace
+
+std::vector<Stage> pipeline_stages(const ModelSpec& m, const Layout& l) {
   const double d = static_cast<double>(m.hidden), V = static_cast<double>(m.vocab), t = l.tp;
-  // Tensor parallel: the block's four weight matrices and the column-parallel biases split; the
-  // LayerNorms and the row-parallel biases (2 d) are replicated. The embedding is vocabulary-
-  // parallel, positions replicated.
-  const double block = 4 * d + (3 * d * d + 3 * d) / t + (d * d) / t + d + (4 * d * d + 4 * d) / t + (4 * d * d) / t + d;
-  const double blocks = ceil_div(m.layers, l.pp);
-  const double embed = V * d / t + static_cast<double>(m.seq) * d;
-  // The last stage keeps its own copy of a tied head when the pipeline splits them.
-  const double head = 2 * d + ((!m.tied || l.pp > 1) ? V * d / t : 0.0);
-  if (l.pp == 1) return embed + blocks * block + head;
-  return std::max(embed, head) + blocks * block;
+  const double embed = V * d / t + static_cast<double>(m.seq) * d;  // vocabulary-parallel, positions replicated
+  const double block = block_params_tp(m, l.tp);
+  if (l.pp == 1) {
+    // One stage: a tied head shares the embedding's weight.
+    return {{embed + static_cast<double>(m.layers) * block + 2 * d + (m.tied ? 0.0 : V * d / t), m.layers, true, true}};
+  }
+  // The engine's default partition_method "parameters": contiguous stages balancing the layers'
+  // parameter counts (the last stage keeps its own copy of a tied head).
+  std::vector<int64_t> w{static_cast<int64_t>(embed)};
+  for (int64_t i = 0; i < m.layers; ++i) w.push_back(static_cast<int64_t>(block));
+  w.push_back(static_cast<int64_t>(2 * d + V * d / t));
+  const std::vector<size_t> bounds = pipeline::partition_balanced(w, l.pp);
+  std::vector<Stage> out;
+  for (int s = 0; s < l.pp; ++s) {
+    Stage st;
+    for (size_t i = bounds[static_cast<size_t>(s)]; i < bounds[static_cast<size_t>(s) + 1]; ++i) {
+      st.params += static_cast<double>(w[i]);
+      if (i == 0) st.embed = true;
+      else if (i == w.size() - 1) st.head = true;
+      else ++st.blocks;
+    }
+    out.push_back(st);
+  }
+  return out;
+}
+
+double params_per_rank(const ModelSpec& m, const Layout& l) {
+  double most = 0;
+  for (const auto& s : pipeline_stages(m, l)) most = std::max(most, s.params);
+  return most;
 }
 
 Memory model_states(double psi, int zero, int dp, bool bf16, Offload offload, int grad_bytes) {
@@ -177,69 +207,104 @@ ComputePoint compute_rate(const ClusterSpec& c, int64_t tokens, int64_t hidden, 
 }
 
 // Time of a reduce-scatter or all-gather (`all_reduce`: both) of `bytes` over a group of `n`
-// ranks spaced `stride` ranks apart, hierarchical across nodes; `sharing`: groups that use the
-// same node link at once.
+// ranks spaced `stride` ranks apart (from rank 0; ranks fill nodes in order), hierarchical
+// across nodes: within each node, then one exchange per node over its link, which the node's
+// other groups use at the same time.
 double collective(const ClusterSpec& c, double bytes, int n, int stride, bool all_reduce) {
   if (n <= 1) return 0;
   const int dpn = c.devices_per_node;
-  const int hosts = std::max(1, n * stride / dpn);
-  const int local = n / hosts;
+  std::vector<int> per_node;
+  for (int i = 0; i < n; ++i) {
+    const size_t node = static_cast<size_t>(static_cast<int64_t>(i) * stride / dpn);
+    if (per_node.size() <= node) per_node.resize(node + 1, 0);
+    ++per_node[node];
+  }
+  int hosts = 0, local = 0;
+  for (int r : per_node) {
+    if (r > 0) ++hosts;
+    local = std::max(local, r);
+  }
   const double passes = all_reduce ? 2.0 : 1.0;
   double t = 0;
   if (local > 1) t += passes * (c.intra.latency + (local - 1.0) / local * bytes / c.intra.bandwidth);
   if (hosts > 1) {
     TS_CHECK(c.inter.bandwidth > 0, "plan: the layout crosses nodes but cluster.inter is not given");
-    const double sharing = static_cast<double>(dpn) / local;  // the node's groups share its link
+    const double sharing = std::max(1.0, static_cast<double>(dpn) / local);  // the node's groups share its link
     t += passes * (c.inter.latency * (hosts - 1) + sharing * (hosts - 1.0) / hosts * bytes / c.inter.bandwidth);
   }
   return t;
 }
 
-const Link& link_between(const ClusterSpec& c, int stride) { return stride >= c.devices_per_node ? c.inter : c.intra; }
+const Link& inter_link(const ClusterSpec& c) {
+  TS_CHECK(c.inter.bandwidth > 0, "plan: the layout crosses nodes but cluster.inter is not given");
+  return c.inter;
+}
 }  // namespace
 
+std::string check_layout(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t, const Layout& l) {
+  if (l.dp < 1 || l.tp < 1 || l.pp < 1 || l.micro < 1) return "dp, tp, pp and micro must be >= 1";
+  if (l.dp * l.tp * l.pp != c.world())
+    return concat("dp x tp x pp = ", l.dp * l.tp * l.pp, " but the cluster has ", c.world(), " devices");
+  if (l.zero < 0 || l.zero > 3) return concat("zero must be 0-3, not ", l.zero);
+  if (l.tp > c.devices_per_node || c.devices_per_node % l.tp) return concat("tp ", l.tp, " must divide the ", c.devices_per_node, " devices of a node");
+  if (m.heads % l.tp || m.vocab % l.tp) return concat("tp ", l.tp, " must divide the heads (", m.heads, ") and the vocabulary (", m.vocab, ")");
+  if (l.pp > m.layers) return concat("pp ", l.pp, " exceeds the ", m.layers, " layers");
+  if (l.zero >= 2 && l.pp > 1) return "ZeRO stages 2-3 do not combine with a pipeline (as in DeepSpeed)";
+  if (l.offload != Offload::kNone && l.zero == 0) return "offload needs ZeRO stage 1-3";
+  if (l.offload == Offload::kOptimizerAndParams && l.zero != 3) return "parameter offload needs ZeRO stage 3";
+  if (t.global_batch % (static_cast<int64_t>(l.dp) * l.micro)) return concat("the batch ", t.global_batch, " is not a multiple of dp x micro");
+  if (l.accumulation != t.global_batch / (l.dp * l.micro)) return concat("accumulation must be batch / (dp x micro) = ", t.global_batch / (l.dp * l.micro));
+  return "";
+}
+
 Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t, const Layout& l) {
+  const std::string bad = check_layout(m, c, t, l);
+  TS_CHECK(bad.empty(), "plan: layout ", l.describe(), ": ", bad);
   Estimate e;
   e.layout = l;
-  const double psi = params_per_rank(m, l);
-  const double b = t.bf16 ? 2 : 4, pb = t.bf16 ? 2 : 4, g = 4, k = t.bf16 ? 12 : 8;
+  const std::vector<Stage> stages = pipeline_stages(m, l);
+  const double b = t.bf16 ? 2 : 4, pb = t.bf16 ? 2 : 4, g = t.grad_bytes, k = t.bf16 ? 12 : 8;
   const double d = static_cast<double>(m.hidden), V = static_cast<double>(m.vocab), tp = l.tp;
   const double n = static_cast<double>(l.micro * m.seq);  // tokens of a micro-batch
-  const double blocks = ceil_div(m.layers, l.pp);
   const int64_t mb = l.accumulation;  // micro-batches per step and pipeline
 
-  // Memory (Note [Plan model]).
-  e.memory = model_states(psi, l.zero, l.dp, t.bf16, l.offload);
+  // Memory (Note [Plan model]): the stage whose rank holds the most.
   const double scores = t.flash_attention ? 0.0 : 5.0 * static_cast<double>(m.heads * m.seq) / tp * (b / 2);
   const double block_full = n * (b * d * (4 + 13 / tp) + 4.0 * static_cast<double>(m.heads) / tp + scores);
   const double block_kept = l.checkpointing ? n * b * d : block_full;
   // The head: its LayerNorm output, the fp32 log-softmax kept for the loss's backward, and in
   // that backward the log-softmax's gradient and the logits' gradient.
   const double head = n * (b * d + 3 * (V / tp) * 4);
-  const double first = std::min<double>(l.pp, static_cast<double>(mb)) * blocks * block_kept;
-  const double last = blocks * block_kept + head;
-  const double replay = l.checkpointing ? block_full : 0.0;
-  e.memory.activations = std::max(l.pp > 1 ? first : 0.0, last) + replay;
-  const double layer = static_cast<double>(m.block_params()) / tp;
-  const double bucket = std::min(static_cast<double>(t.reduce_bucket_size), psi);
-  // Stages 0-2 accumulate gradients straight into their flat buffers; stage 3 gathers a layer's
-  // gradient whole before its reduce-scatter.
-  double buf = 0;
-  switch (l.zero) {
-    case 0: break;
-    case 1: buf = bucket * g / l.dp; break;
-    case 2: buf = (t.overlap_comm ? 2 : 1) * bucket * g + bucket * g / l.dp; break;
-    default: buf = std::min(static_cast<double>(t.prefetch_bucket_size) + layer, psi) * pb + layer * g + layer * g / l.dp;
+  const double layer = block_params_tp(m, l.tp);
+  double psi = 0;  // the most parameters on a stage (its data-parallel collectives)
+  for (size_t si = 0; si < stages.size(); ++si) {
+    const Stage& st = stages[si];
+    psi = std::max(psi, st.params);
+    Memory mem = model_states(st.params, l.zero, l.dp, t.bf16, l.offload, t.grad_bytes);
+    // 1F1B: stage s holds min(pp - s, m) micro-batches' activations.
+    const double in_flight = std::min<double>(static_cast<double>(l.pp - static_cast<int>(si)), static_cast<double>(mb));
+    mem.activations = in_flight * static_cast<double>(st.blocks) * block_kept + (st.head ? head : 0.0) +
+                      (l.checkpointing && st.blocks > 0 ? block_full : 0.0);
+    const double bucket = std::min(static_cast<double>(t.reduce_bucket_size), st.params);
+    // Stages 0-2 accumulate gradients straight into their flat buffers; stage 3 gathers a layer's
+    // gradient whole before its reduce-scatter.
+    switch (l.zero) {
+      case 0: break;
+      case 1: mem.buffers = bucket * g / l.dp; break;
+      case 2: mem.buffers = (t.overlap_comm.value_or(false) ? 2 : 1) * bucket * g + bucket * g / l.dp; break;
+      default:
+        mem.buffers = std::min(static_cast<double>(t.prefetch_bucket_size) + layer, st.params) * pb + layer * g + layer * g / l.dp;
+    }
+    if (l.offload != Offload::kNone)
+      mem.buffers += std::min(static_cast<double>(t.offload_buffer_count * t.offload_buffer_size) * 4, k * st.params / l.dp);
+    if (mem.total() > e.memory.total()) e.memory = mem;
   }
-  if (l.offload != Offload::kNone) {
-    const double update = psi / l.dp;
-    buf += std::min(static_cast<double>(t.offload_buffer_count * t.offload_buffer_size) * 4, k * update);
-  }
-  e.memory.buffers = buf;
   e.fits = e.memory.total() <= c.memory;
 
-  // Step time.
+  // Step time: the slowest stage sets the pace.
   const ComputePoint rate = compute_rate(c, l.micro * m.seq, m.hidden, l.tp);
+  TS_CHECK(rate.tokens == 0 || rate.dtype.empty() || rate.dtype == (t.bf16 ? "bf16" : "fp32"), "plan: the cluster's compute was measured in ",
+           rate.dtype, ", the plan is for ", t.bf16 ? "bf16" : "fp32", ": calibrate with", t.bf16 ? " --bf16" : "out --bf16");
   const double block_flops = n * (6.0 * static_cast<double>(m.block_params()) / tp + 12.0 * d * static_cast<double>(m.seq) / tp);
   const double head_flops = n * 6.0 * d * V / tp;
   // A checkpointed block runs its forward again in backward.
@@ -249,14 +314,19 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
     const double act = (b / 2) * (10 * d + 24 * d / tp + (t.flash_attention ? 0.0 : 5.0 * static_cast<double>(m.heads * m.seq) / tp));
     t_block += n * act * (l.checkpointing ? 4 : 3) / c.memory_bandwidth;
   }
-  const double t_stage = blocks * t_block + head_flops / rate.flops_per_s;
+  double t_stage = 0, blocks = 0;
+  for (const Stage& st : stages) {
+    const double ts = static_cast<double>(st.blocks) * t_block + (st.head ? head_flops / rate.flops_per_s : 0.0);
+    if (ts > t_stage) t_stage = ts, blocks = static_cast<double>(st.blocks);
+  }
   const double act_bytes = n * d * b;
-  const Link& tpl = link_between(c, l.tp > 1 && l.tp > c.devices_per_node ? c.devices_per_node : 1);
+  const Link& tpl = c.intra;  // tp stays within a node (check_layout)
   // Four all-reduces per block (six when replayed; none more when the measured block included
   // them), two for the vocabulary-parallel embedding and loss.
   const double per_block = rate.with_tp_comm ? 0.0 : l.checkpointing ? 6 : 4;
   const double t_tp = l.tp > 1 ? (blocks * per_block + 2) * (tpl.latency + 2.0 * (tp - 1) / tp * act_bytes / tpl.bandwidth) : 0.0;
-  const Link& ppl = link_between(c, l.tp * l.dp);
+  // Stages are dp x tp ranks apart: on several nodes, some boundary crosses a node's link.
+  const Link& ppl = c.nodes > 1 && l.dp * l.tp * l.pp > c.devices_per_node ? inter_link(c) : c.intra;
   const double t_pp = l.pp > 1 ? 2 * (ppl.latency + act_bytes / ppl.bandwidth) : 0.0;
   e.time.compute = static_cast<double>(mb) * t_stage;
   e.time.tp_comm = static_cast<double>(mb) * t_tp;
@@ -284,8 +354,9 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
       grad_comm = static_cast<double>(mb) * collective(c, psi * g, l.dp, stride, false);
       param_comm = static_cast<double>(mb) * 2 * collective(c, psi * pb, l.dp, stride, false);
   }
-  const double backward = e.time.compute * 2.0 / 3.0;
-  const double hidden = t.overlap_comm ? std::min(c.overlap * grad_comm, backward) : 0.0;
+  // Stages 0-1 reduce once, during the last micro-batch's backward; stages 2-3 during each.
+  const double backward = e.time.compute * 2.0 / 3.0 / (l.zero <= 1 ? static_cast<double>(mb) : 1.0);
+  const double hidden = t.overlap_comm.value_or(l.zero == 3) ? std::min(c.overlap * grad_comm, backward) : 0.0;
   e.time.dp_comm = grad_comm - hidden + param_comm;
   const double update = psi / (l.zero >= 1 ? l.dp : 1);
   e.time.optimizer = update / c.optimizer_rate;
@@ -304,29 +375,33 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
 std::vector<Estimate> search(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t) {
   std::vector<Estimate> out;
   const int world = c.world();
-  for (int tp = 1; tp <= c.devices_per_node; ++tp) {
-    if (c.devices_per_node % tp || m.heads % tp || m.vocab % tp) continue;
+  for (int tp = 1; tp <= c.devices_per_node; ++tp)
     for (int pp = 1; pp <= m.layers && tp * pp <= world; ++pp) {
-      if (m.layers % pp || world % (tp * pp)) continue;
+      if (world % (tp * pp)) continue;
       const int dp = world / (tp * pp);
       if (t.global_batch % dp) continue;
       const int64_t per_dp = t.global_batch / dp;
-      for (int zero = 0; zero <= 3; ++zero) {
-        if (zero >= 2 && pp > 1) continue;  // the engine refuses ZeRO 2-3 with a pipeline, as DeepSpeed
-        std::vector<Offload> offloads{Offload::kNone};
-        if (c.nvme_bandwidth > 0 && zero >= 1) offloads.push_back(Offload::kOptimizer);
-        if (c.nvme_bandwidth > 0 && zero == 3) offloads.push_back(Offload::kOptimizerAndParams);
-        for (Offload off : offloads)
-          for (int64_t micro = 1; micro <= per_dp; micro *= 2) {
+      for (int zero = 0; zero <= 3; ++zero)
+        for (Offload off : {Offload::kNone, Offload::kOptimizer, Offload::kOptimizerAndParams}) {
+          if (off != Offload::kNone && c.nvme_bandwidth <= 0) continue;
+          for (int64_t micro = 1; micro <= per_dp; ++micro) {
             if (per_dp % micro) continue;
             for (bool ckpt : {false, true}) {
-              Layout l{dp, tp, pp, zero, off, micro, per_dp / micro, ckpt};
-              out.push_back(estimate(m, c, t, l));
+              const Layout l{dp, tp, pp, zero, off, micro, per_dp / micro, ckpt};
+              if (!check_layout(m, c, t, l).empty()) continue;
+              try {
+                out.push_back(estimate(m, c, t, l));
+              } catch (const Error& err) {  // e.g. no measured rate for this slice: listed, not ranked
+                Estimate e;
+                e.layout = l;
+                e.why_not = err.what();
+                e.time.compute = std::numeric_limits<double>::infinity();
+                out.push_back(e);
+              }
             }
           }
-      }
+        }
     }
-  }
   std::stable_sort(out.begin(), out.end(), [](const Estimate& a, const Estimate& b) {
     if (a.fits != b.fits) return a.fits;
     return a.time.total() < b.time.total();
@@ -344,7 +419,7 @@ nlohmann::json to_json(const Estimate& e) {
           {"time", {{"compute", e.time.compute}, {"bubble", e.time.bubble}, {"tp_comm", e.time.tp_comm}, {"pp_comm", e.time.pp_comm},
                     {"dp_comm", e.time.dp_comm}, {"optimizer", e.time.optimizer}, {"offload", e.time.offload},
                     {"total", e.time.total()}}},
-          {"flops_per_device", e.flops_per_device}};
+          {"flops_per_device", e.flops_per_device}, {"why_not", e.why_not}};
 }
 
 }  // namespace torchspeed::plan

@@ -5,7 +5,8 @@
 // Note [Plan model]
 // Memory, bytes per rank, at the peak of a training step (the rank that holds the most):
 //  - model states, the ZeRO paper's formulas over this rank's parameters Psi_r (its pipeline
-//    stage, its tensor-parallel slice): parameters p bytes, gradients g, optimizer states K
+//    stage as partition_method "parameters" balances them, its tensor-parallel slice; each stage
+//    is counted and the largest total taken): parameters p bytes, gradients g, optimizer states K
 //    (fp32 training: p = g = 4, K = 8 for Adam's two moments; bf16: p = 2, gradients in the
 //    fp32 accumulation dtype g = 4, K = 12 with the fp32 master). Stage 1 divides K by dp,
 //    stage 2 K and g, stage 3 all three. Optimizer offload to NVMe moves K (and at stage 3 with
@@ -43,6 +44,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,6 +75,7 @@ struct ComputePoint {
   double flops_per_s = 0;      // forward + backward
   double forward_share = 1.0 / 3.0;  // forward's part of that time (what a replay costs again)
   bool with_tp_comm = false;   // the block's tensor-parallel all-reduces are in the time
+  std::string dtype;           // "fp32" or "bf16" ("" unknown)
 };
 
 struct ClusterSpec {
@@ -118,7 +121,9 @@ struct TrainingSpec {
   bool bf16 = false;
   int64_t reduce_bucket_size = 500000000;          // elements (DeepSpeed's default)
   int64_t prefetch_bucket_size = 50000000;         // stage3_prefetch_bucket_size
-  bool overlap_comm = false;
+  // Gradient reduction overlapping backward; unset: DeepSpeed's default (on at stage 3 only).
+  std::optional<bool> overlap_comm;
+  int grad_bytes = 4;  // the gradient accumulation dtype's (fp32, the engine's default)
   // Fused (flash) attention never stores the [T, T] scores (ours, LibTorch 2.x's SDPA); without
   // it, softmax and dropout over them add 5 a T bytes per token to a block's activations.
   bool flash_attention = true;
@@ -141,11 +146,21 @@ struct Estimate {
   StepTime time;
   double flops_per_device = 0;  // the model's training FLOPs per second per device
   bool fits = false;
-  std::string why_not;  // when the layout is impossible (set by search's checks)
+  std::string why_not;  // search: why it could not be estimated (fits is false)
 };
 
+// One pipeline stage on one tensor-parallel rank, as the engine's default partition_method
+// ("parameters") cuts the stack [embedding, blocks..., head].
+struct Stage {
+  double params = 0;
+  int64_t blocks = 0;
+  bool embed = false, head = false;
+};
+std::vector<Stage> pipeline_stages(const ModelSpec& m, const Layout& l);
 // Parameters on the rank that holds the most (pipeline stage and tp slice).
 double params_per_rank(const ModelSpec& m, const Layout& l);
+// Why the engine would refuse the layout on this cluster and batch, or "".
+std::string check_layout(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& t, const Layout& l);
 // The ZeRO paper's model states per rank, bytes (no activations, no buffers); gradients in
 // `grad_bytes` (4: fp32 accumulation, the engine's default; 2: the paper's fp16 gradients).
 Memory model_states(double psi, int zero, int dp, bool bf16, Offload offload, int grad_bytes = 4);
