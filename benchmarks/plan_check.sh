@@ -2,10 +2,11 @@
 # `torchspeed plan` against measurements on this machine (Note [Plan model] in plan/plan.h).
 # Each configuration (on 2 or 4 ranks of this host and, as root where network namespaces work,
 # on 2 hosts x 2 ranks of scripts/multihost over a link shaped to RATE) is first measured by
-# `plan --calibrate` with its ranks and hosts; then it trains as an autotuning experiment (steps 4-23: the median step time from
-# the per-step log, and the peak of LibTorch's CPU allocations on any rank), and `plan --layout`
-# predicts the same layout from the calibration. Prints measured, predicted and their ratio for step time (target: within
-# 20%) and peak memory (within 10%), and how many configurations meet both.
+# `plan --calibrate` with its ranks and hosts; then it trains as an autotuning experiment (steps
+# 4-23: the median step time from the per-step log, and the peak of LibTorch's CPU allocations
+# on any rank), and `plan --layout` predicts the same layout from the calibration. Prints
+# measured, predicted and their ratio for step time (target: within 20%) and peak memory (within
+# 10%), and how many configurations meet both; exits 1 when fewer than 10 do.
 #
 # The model: GPT, 4 layers, d 256, 4 heads, 128-token samples, byte vocabulary (3.3M
 # parameters, fp32), global batch 16: activations are about half of memory, so checkpointing,
@@ -129,4 +130,5 @@ for name, rs in runs.items():
     spread = " ".join(f"{r[1] / r[0]:.2f}" for r in rs)
     print(f"{name:18s} {t:8.3f} {tp:8.3f} {tp / t:6.2f} | {mem / 1e6:8.1f} {mp / 1e6:8.1f} {mp / mem:6.2f} | {spread}{'' if good else '  outside'}")
 print(f"plan_check: {ok} of {len(runs)} configurations within 20% step time and 10% peak memory")
+sys.exit(0 if ok >= min(10, len(runs)) else 1)  # the bar: at least 10 configurations
 PY
