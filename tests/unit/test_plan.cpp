@@ -12,6 +12,20 @@ using namespace torchspeed::plan;
 
 namespace {
 
+// A cluster described by hand (no measured points): rates from peak, links as given.
+ClusterSpec cluster(int nodes, int devices_per_node, double memory, double peak_flops, Link intra, Link inter,
+                    double optimizer_rate) {
+  ClusterSpec c;
+  c.nodes = nodes;
+  c.devices_per_node = devices_per_node;
+  c.memory = memory;
+  c.peak_flops = peak_flops;
+  c.intra = intra;
+  c.inter = inter;
+  c.optimizer_rate = optimizer_rate;
+  return c;
+}
+
 // DGX A100 nodes as Narayanan et al. ran them (SC21, "Efficient Large-Scale Language Model
 // Training on GPU Clusters Using Megatron-LM", section 5: 8 x 80 GB A100 per node, NVLink and
 // NVSwitch within, 8 x 200 Gbit/s InfiniBand HDR per node across; 312 TFLOP/s fp16 peak). The
@@ -156,14 +170,7 @@ TEST(Plan, MegatronTrillionNeedsTensorParallelism) {
 
 TEST(Plan, SearchOffersOnlyLayoutsTheEngineAcceptsAndRanksThem) {
   const ModelSpec m{4, 256, 4, 128, 256, true};
-  ClusterSpec c;
-  c.nodes = 2;
-  c.devices_per_node = 2;
-  c.memory = 8e9;
-  c.peak_flops = 1e11;
-  c.intra = {3e9, 1e-5};
-  c.inter = {1.25e8, 1e-4};
-  c.optimizer_rate = 4e8;
+  ClusterSpec c = cluster(2, 2, 8e9, 1e11, {3e9, 1e-5}, {1.25e8, 1e-4}, 4e8);
   c.nvme_bandwidth = 1e9;
   TrainingSpec t;
   t.global_batch = 16;
@@ -251,14 +258,7 @@ TEST(Plan, PipelineStagesBalanceParametersAsTheEngine) {
 // nodes 0 and 1), and the pipeline's boundary crosses nodes too.
 TEST(Plan, GroupsThatStraddleNodesUseTheLink) {
   const ModelSpec m{4, 256, 4, 128, 256, true};
-  ClusterSpec c;
-  c.nodes = 3;
-  c.devices_per_node = 8;
-  c.memory = 1e12;
-  c.peak_flops = 1e12;
-  c.intra = {1e11, 1e-6};
-  c.inter = {1e9, 1e-5};
-  c.optimizer_rate = 1e9;
+  const ClusterSpec c = cluster(3, 8, 1e12, 1e12, {1e11, 1e-6}, {1e9, 1e-5}, 1e9);
   TrainingSpec t;
   t.global_batch = 24;
   const Layout l{12, 1, 2, 1, Offload::kNone, 2, 1, false};
@@ -271,13 +271,7 @@ TEST(Plan, GroupsThatStraddleNodesUseTheLink) {
 
 TEST(Plan, LayoutsTheEngineRefusesAreNamed) {
   const ModelSpec m{4, 256, 4, 128, 256, true};
-  ClusterSpec c;
-  c.nodes = 1;
-  c.devices_per_node = 4;
-  c.memory = 1e12;
-  c.peak_flops = 1e12;
-  c.intra = {1e11, 1e-6};
-  c.optimizer_rate = 1e9;
+  const ClusterSpec c = cluster(1, 4, 1e12, 1e12, {1e11, 1e-6}, {}, 1e9);
   TrainingSpec t;
   t.global_batch = 16;
   auto why = [&](Layout l) {

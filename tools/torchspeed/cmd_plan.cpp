@@ -21,6 +21,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "bench_report.h"
 #include "commands.h"
 #include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/comm/communicator.h"
@@ -51,8 +52,7 @@ double median_time(int runs, F&& f) {
     f();
     t.push_back(seconds_since(s));
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return bench::median(std::move(t));
 }
 
 // One rank's share of a GPT block under tensor parallelism `tp`: the LayerNorms, q/k/v and the
@@ -216,8 +216,7 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
     std::string cluster, config, layout, json, out, hostfile;
     bool worker = false;
     plan::ModelSpec model;
-    bool model_given = false, calibrate = false;
-    bool calibrate_worker_mode() const { return worker; }
+    bool calibrate = false;
     plan::TrainingSpec training;
     int top = 10, ranks = 0, nodes = 0, devices_per_node = 0;
     int64_t max_micro = 8;
@@ -229,7 +228,7 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
   for (auto [flag, field] : std::vector<std::pair<const char*, int64_t*>>{{"--layers", &o->model.layers}, {"--hidden", &o->model.hidden},
                                                                           {"--heads", &o->model.heads}, {"--seq", &o->model.seq},
                                                                           {"--vocab", &o->model.vocab}})
-    cmd->add_option(flag, *field, "Model shape")->check(CLI::PositiveNumber)->each([o](const std::string&) { o->model_given = true; });
+    cmd->add_option(flag, *field, "Model shape")->check(CLI::PositiveNumber);
   cmd->add_option("--batch", o->training.global_batch, "Global batch (samples per step)")->check(CLI::PositiveNumber);
   cmd->add_flag("--bf16", o->training.bf16, "bf16 training (fp32 masters)");
   cmd->add_option("--nodes", o->nodes, "Override the cluster's nodes")->check(CLI::PositiveNumber);
@@ -249,7 +248,8 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
     // Flags given on the command line win over the config's values.
     const plan::TrainingSpec flags = o->training;
     if (!o->config.empty()) {
-      TS_CHECK(!o->model_given, "give the model by --config or by --layers/--hidden/..., not both");
+      for (const char* f : {"--layers", "--hidden", "--heads", "--seq", "--vocab"})
+        TS_CHECK(cmd->count(f) == 0, "give the model by --config or by --layers/--hidden/..., not both (", f, ")");
       const nlohmann::json j = config::read_json_file(o->config);
       const auto gpt = models::GPTConfig::from_json(j.value("model", nlohmann::json::object()));
       m.layers = gpt.n_layer, m.hidden = gpt.d_model, m.heads = gpt.n_head, m.seq = gpt.seq_len, m.vocab = gpt.vocab;
@@ -286,7 +286,7 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
       // The scores are stored unless the fused kernel runs: fp32 without attention dropout
       // (Note [Causal attention] in models/gpt.cpp).
       t.flash_attention = !t.bf16 && gpt.dropout == 0.0;
-    } else if (!o->calibrate_worker_mode()) {
+    } else {
       for (const char* f : {"--layers", "--hidden", "--heads", "--seq", "--vocab"})
         TS_CHECK(cmd->count(f) > 0, "plan: give the model by --config FILE or all of --layers --hidden --heads --seq --vocab (", f, " is missing)");
       o->training.flash_attention = !o->training.bf16;
@@ -295,6 +295,14 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
     if (cmd->count("--bf16")) o->training.bf16 = true, o->training.flash_attention = false;
     TS_CHECK(m.hidden % m.heads == 0, "--hidden ", m.hidden, " is not a multiple of --heads ", m.heads);
 
+    // Options of --calibrate alone, and of the plan alone: refused where they would do nothing.
+    if (!o->calibrate && !o->worker) {
+      for (const char* f : {"--out", "-n", "--hostfile", "--max-micro"})
+        TS_CHECK(cmd->count(f) == 0, "plan: ", f, " belongs to --calibrate");
+    } else {
+      for (const char* f : {"--cluster", "--layout", "--json", "--top", "--batch", "--nodes", "--devices-per-node", "--memory"})
+        TS_CHECK(cmd->count(f) == 0, "plan --calibrate: ", f, " does not apply (it measures this machine)");
+    }
     if (o->calibrate || o->worker) {
       TS_CHECK(!o->out.empty(), "--calibrate needs --out FILE");
       CalibrationRequest q{m, o->training.bf16, o->max_micro};

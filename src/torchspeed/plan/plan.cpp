@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "torchspeed/models/gpt.h"
 #include "torchspeed/pipeline/partition.h"
 #include "torchspeed/runtime/error.h"
 
@@ -24,19 +25,25 @@ double number(const nlohmann::json& j, const std::string& path, const std::strin
 }
 }  // namespace
 
-int64_t ModelSpec::block_params() const {
-  const int64_t d = hidden;
-  return 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+namespace {
+models::GPTConfig as_gpt(const ModelSpec& m) {
+  models::GPTConfig g;
+  g.vocab = m.vocab, g.seq_len = m.seq, g.d_model = m.hidden, g.n_layer = m.layers, g.n_head = m.heads;
+  g.tie_embeddings = m.tied;
+  return g;
 }
 
-int64_t ModelSpec::params() const {
-  return vocab * hidden + seq * hidden + layers * block_params() + 2 * hidden + (tied ? 0 : vocab * hidden);
+// A block's parameters on one tensor-parallel rank: the four weight matrices and the column-
+// parallel biases split; the LayerNorms and the row-parallel biases (2 d) replicated.
+double block_params_tp(const ModelSpec& m, int tp) {
+  const double d = static_cast<double>(m.hidden), t = tp;
+  return 4 * d + (3 * d * d + 3 * d) / t + (d * d) / t + d + (4 * d * d + 4 * d) / t + (4 * d * d) / t + d;
 }
+}  // namespace
 
-double ModelSpec::flops_per_token(bool recompute) const {
-  const double k = recompute ? 8.0 : 6.0;
-  return k * static_cast<double>(params()) + 2.0 * k * static_cast<double>(layers * hidden * seq);
-}
+int64_t ModelSpec::block_params() const { return static_cast<int64_t>(block_params_tp(*this, 1)); }
+int64_t ModelSpec::params() const { return as_gpt(*this).num_params(); }
+double ModelSpec::flops_per_token() const { return as_gpt(*this).flops_per_token(); }
 
 ModelSpec ModelSpec::from_json(const nlohmann::json& j) {
   TS_CHECK(j.is_object(), "model must be an object");
@@ -127,15 +134,6 @@ std::string Layout::describe() const {
   return concat("dp ", dp, " tp ", tp, " pp ", pp, " zero ", zero, offload == Offload::kNone ? "" : concat(" offload ", offload_name(offload)),
                 " micro ", micro, " x", accumulation, checkpointing ? " ckpt" : "");
 }
-
-namespace {
-// A block's parameters on one tensor-parallel rank: the four weight matrices and the column-
-// parallel biases split; the LayerNorms and the row-parallel biases (2 d) replicated.
-double block_params_tp(const ModelSpec& m, int tp) {
-  const double d = static_cast<double>(m.hidden), t = tp;
-  return 4 * d + (3 * d * d + 3 * d) / t + (d * d) / t + d + (4 * d * d + 4 * d) / t + (4 * d * d) / t + d;
-}
-}  // namespace
 
 std::vector<Stage> pipeline_stages(const ModelSpec& m, const Layout& l) {
   const double d = static_cast<double>(m.hidden), V = static_cast<double>(m.vocab), t = l.tp;
@@ -368,7 +366,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
     e.time.offload = bytes / per_rank_bw;
   }
   const double tokens = static_cast<double>(t.global_batch * m.seq);
-  e.flops_per_device = m.flops_per_token(false) * tokens / e.time.total() / c.world();
+  e.flops_per_device = m.flops_per_token() * tokens / e.time.total() / c.world();
   return e;
 }
 

@@ -54,11 +54,10 @@ namespace torchspeed::plan {
 struct ModelSpec {
   int64_t layers = 12, hidden = 768, heads = 12, seq = 1024, vocab = 50257;
   bool tied = true;
+  // As models::GPTConfig counts them.
   int64_t params() const;
   int64_t block_params() const;
-  // Training FLOPs per token: forward + backward (6 per parameter, 12 L d T for attention);
-  // with `recompute`, forward once more (8 and 16).
-  double flops_per_token(bool recompute) const;
+  double flops_per_token() const;  // training: 6 per parameter, 12 L d T for attention
   static ModelSpec from_json(const nlohmann::json& j);  // {"layers", "hidden", ...}
   nlohmann::json to_json() const;
 };
