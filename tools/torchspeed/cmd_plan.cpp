@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "bench_report.h"
@@ -133,8 +134,20 @@ int calibrate_worker(const CalibrationRequest& q, const std::string& out) {
   c.nodes = rt.num_nodes;
   c.devices_per_node = rt.local_size;
   c.measured_devices = rt.world_size;
-  // Network-namespace hosts share this machine's cores: each gets its share.
-  c.cores_per_node = std::max(1, cpu::features().affinity_cores * rt.local_size / rt.world_size);
+  // A node's cores are its machine's; network-namespace hosts on one machine (the same boot id
+  // on every rank) share them, each getting its share.
+  const bool one_machine = [&] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string id;
+    in >> id;
+    at::Tensor h = at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(id) >> 1), at::kLong), lo = h.clone();
+    world->all_reduce(h, comm::ReduceOp::kMax);
+    world->all_reduce(lo, comm::ReduceOp::kMin);
+    return h.item<int64_t>() == lo.item<int64_t>();
+  }();
+  // The machine's cores, not this rank's affinity: the launcher binds each rank to its share.
+  const int cores = cpu::features().logical_cores;
+  c.cores_per_node = one_machine ? std::max(1, cores * rt.local_size / rt.world_size) : cores;
   c.memory = static_cast<double>(mem_total_bytes()) / rt.local_size;
   c.overlap = 0.0;  // a CPU rank's communication runs on the cores its backward computes on
   c.source = concat("torchspeed plan --calibrate: ", cpu::features().model_name, ", ", cpu::features().affinity_cores, " cores, ",
