@@ -48,8 +48,9 @@ int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(
 // The stages run as one task of the communicator's FIFO engine (one deadline, the op's), on
 // private MPI communicators of the host and of the local index. Sums add in another order
 // than flat (hosts' partial sums first), so fp32 results may differ in the last bits; every
-// rank still gets the same bits. bf16/fp16 keep the flat algorithm (its one rounding), as do
-// ops small enough for the one-phase all_reduce (latency, not bytes, is their cost).
+// rank still gets the same bits. bf16/fp16 reductions keep the flat algorithm (its one rounding;
+// all_gather, which adds nothing, is staged for every dtype), as do ops small enough for the
+// one-phase all_reduce (latency, not bytes, is their cost).
 // TORCHSPEED_COMM_HIERARCHICAL=0 turns the stages off (to compare); TORCHSPEED_COMM_HOST_SIZE=N
 // treats each N consecutive world ranks as one host (tests on one machine).
 
@@ -336,7 +337,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out, Mode mode) override {
-    if (hier_ && bytes_of(out) > algo_.one_phase_bytes && hierarchical_dtype(in.scalar_type())) {
+    if (hier_ && bytes_of(out) > algo_.one_phase_bytes) {  // no arithmetic: any dtype (bf16, qwZ's bytes)
       return hierarchical_all_gather(in, out, mode);
     }
     count(kAllGather, bytes_of(out), bytes_of(in) * (size() - 1));
