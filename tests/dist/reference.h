@@ -28,6 +28,22 @@ namespace ts_test {
 
 using MicroBatch = std::pair<at::Tensor, at::Tensor>;  // (inputs, targets)
 
+// The reference's micro-batches of one step: micro-batch m is every data-parallel rank d's
+// rows of it, data(m, d), concatenated in rank order.
+inline std::vector<MicroBatch> global_micro_batches(int gas, int dp, const std::function<MicroBatch(int m, int d)>& data) {
+  std::vector<MicroBatch> micro;
+  for (int m = 0; m < gas; ++m) {
+    std::vector<at::Tensor> xs, ys;
+    for (int d = 0; d < dp; ++d) {
+      auto [x, y] = data(m, d);
+      xs.push_back(x);
+      ys.push_back(y);
+    }
+    micro.push_back({at::cat(xs), at::cat(ys)});
+  }
+  return micro;
+}
+
 // Note [Reference training step]
 // What the engine computes, written the way a LibTorch user would: the gradient of one step is
 // the sum over the accumulation window of d(loss_m / micro_batches), each micro-batch's loss the

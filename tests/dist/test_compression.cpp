@@ -22,17 +22,7 @@ ts::models::GPTConfig tiny() { return ts_test::tiny_gpt(2); }
 std::pair<at::Tensor, at::Tensor> data(int step, int m, int d) { return ts_test::lm_batch(700, step, m, d); }
 
 std::vector<ts_test::MicroBatch> global_batch(int s, int gas, int dp) {
-  std::vector<ts_test::MicroBatch> micro;
-  for (int m = 0; m < gas; ++m) {
-    std::vector<at::Tensor> xs, ys;
-    for (int d = 0; d < dp; ++d) {
-      auto [x, y] = data(s, m, d);
-      xs.push_back(x);
-      ys.push_back(y);
-    }
-    micro.push_back({at::cat(xs), at::cat(ys)});
-  }
-  return micro;
+  return ts_test::global_micro_batches(gas, dp, [s](int m, int d) { return data(s, m, d); });
 }
 
 std::vector<ts::models::GPTBlockImpl*> blocks(ts::nn::LayerStack& stack) {

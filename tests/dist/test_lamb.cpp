@@ -38,17 +38,7 @@ void check(int stage, const nlohmann::json& params, int64_t sub_group) {
   auto engine = ts::initialize(ts_test::dp_groups(), spec, cfg);
   double worst_loss = 0.0;
   for (int s = 0; s < steps; ++s) {
-    std::vector<ts_test::MicroBatch> micro;
-    for (int m = 0; m < gas; ++m) {
-      std::vector<at::Tensor> xs, ys;
-      for (int d = 0; d < dp; ++d) {
-        auto [x, y] = data(s, m, d);
-        xs.push_back(x);
-        ys.push_back(y);
-      }
-      micro.push_back({at::cat(xs), at::cat(ys)});
-    }
-    const double want = ref.step(micro);
+    const double want = ref.step(ts_test::global_micro_batches(gas, dp, [s](int m, int d) { return data(s, m, d); }));
     int m = 0;
     const double got = engine->train_batch([&] { return data(s, m++, world()->rank()); });
     // The engine's loss is this rank's; the reference's the mean over ranks.

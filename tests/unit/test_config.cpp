@@ -490,16 +490,31 @@ TEST(Config, KeysTorchspeedCannotHonourAreRefusedWithTheirPath) {
                "zero_optimization.load_from_fp32_weights: torchspeed always restores");
   expect_error(with({{"zero_optimization", {{"ignore_unused_parameters", false}}}}),
                "zero_optimization.ignore_unused_parameters: torchspeed reduces zeros");
-  expect_error(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}}}),
-               "zero_optimization.zero_hpz_partition_size: ZeRO++ hierarchical partitioning");
+  // hpZ and qwZ act on stage 3's parameter gathers: accepted there, refused below.
+  expect_error(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}, {"stage", 2}}}}),
+               "zero_optimization.zero_hpz_partition_size: ZeRO++ hierarchical partitioning (hpZ) keeps a secondary copy "
+               "of stage 3's parameter shards: it needs stage 3, and stage is 2");
+  expect_error(with({{"zero_optimization", {{"zero_hpz_partition_size", 0}, {"stage", 3}}}}),
+               "zero_optimization.zero_hpz_partition_size");
+  {
+    const auto c = Config::parse(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}, {"stage", 3},
+                                                               {"zero_quantized_weights", true}}}}),
+                                 world(8));
+    EXPECT_EQ(c.zero.hpz_partition_size, 8);
+    EXPECT_TRUE(c.zero.quantized_weights);
+    const auto again = Config::parse(c.to_json(), world(8));
+    EXPECT_EQ(again.zero.hpz_partition_size, 8);
+    EXPECT_TRUE(again.zero.quantized_weights);
+  }
   // qgZ is accepted at stages 2-3 (it replaces their reduce-scatter); below, it is refused.
   expect_error(with({{"zero_optimization", {{"zero_quantized_gradients", true}, {"stage", 1}}}}),
                "zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradients (qgZ) quantize the gradients' "
                "reduce-scatter: they need stage 2 or 3, and stage is 1");
   expect_error(with({{"zero_optimization", {{"zero_quantized_gradients", true}, {"stage", 2}, {"reduce_scatter", false}}}}),
                "zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradients (qgZ) replace the reduce-scatter");
-  expect_error(with({{"zero_optimization", {{"zero_quantized_weights", true}}}}),
-               "zero_optimization.zero_quantized_weights: ZeRO++ quantized weight all-gather");
+  expect_error(with({{"zero_optimization", {{"zero_quantized_weights", true}, {"stage", 1}}}}),
+               "zero_optimization.zero_quantized_weights: ZeRO++ quantized weights (qwZ) quantize stage 3's parameter "
+               "all-gather: they need stage 3, and stage is 1");
   expect_error(with({{"zero_optimization", {{"mics_shard_size", 4}}}}), "zero_optimization.mics_shard_size: MiCS");
   expect_error(with({{"checkpoint", {{"use_node_local_storage", true}}}}),
                "checkpoint.use_node_local_storage: torchspeed checkpoints need one folder");

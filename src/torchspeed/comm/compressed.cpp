@@ -326,3 +326,79 @@ void QuantizedReduceScatter::run(const at::Tensor& in, const at::Tensor& out, Re
 }
 
 }  // namespace torchspeed::comm
+
+// ---------------------------------------------------------------------------------------------
+// Int8Blocks (Note [Quantized all-gather] in compressed.h)
+
+namespace torchspeed::comm {
+
+namespace {
+template <typename T>
+void encode_blocks(const T* x, int64_t n, uint8_t* wire) {
+  const int64_t blocks = (n + Int8Blocks::kBlock - 1) / Int8Blocks::kBlock;
+  float* scales = reinterpret_cast<float*>(wire);
+  auto* q = reinterpret_cast<int8_t*>(wire + 4 * blocks);
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * Int8Blocks::kBlock, hi = std::min(n, lo + Int8Blocks::kBlock);
+      float amax = 0.0f;
+      bool finite = true;  // (std::max drops a NaN: it is tested on its own)
+      for (int64_t i = lo; i < hi; ++i) {
+        const float v = static_cast<float>(x[i]);
+        finite = finite && std::isfinite(v);
+        amax = std::max(amax, std::fabs(v));
+      }
+      if (!finite) {
+        scales[b] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(q + lo, q + hi, int8_t{0});
+        continue;
+      }
+      const float scale = amax / 127.0f;
+      scales[b] = scale;
+      const float inv = scale > 0.0f && std::isfinite(1.0f / scale) ? 1.0f / scale : 0.0f;
+      if (inv == 0.0f && scale > 0.0f) {  // a block below ~1e-36: in double
+        const double dinv = 1.0 / static_cast<double>(scale);
+        for (int64_t i = lo; i < hi; ++i)
+          q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<double>(x[i]) * dinv), -127.0, 127.0));
+        continue;
+      }
+      for (int64_t i = lo; i < hi; ++i)
+        q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(x[i]) * inv), -127.0f, 127.0f));
+    }
+  });
+}
+
+template <typename T>
+void decode_blocks(const uint8_t* wire, int64_t n, T* y) {
+  const int64_t blocks = (n + Int8Blocks::kBlock - 1) / Int8Blocks::kBlock;
+  const float* scales = reinterpret_cast<const float*>(wire);
+  const auto* q = reinterpret_cast<const int8_t*>(wire + 4 * blocks);
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * Int8Blocks::kBlock, hi = std::min(n, lo + Int8Blocks::kBlock);
+      const float scale = scales[b];
+      for (int64_t i = lo; i < hi; ++i) y[i] = static_cast<T>(static_cast<float>(q[i]) * scale);
+    }
+  });
+}
+}  // namespace
+
+void Int8Blocks::encode(const at::Tensor& x, uint8_t* wire) {
+  TS_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+           "int8 block quantization takes a contiguous fp32 or bf16 tensor, got ", x.scalar_type());
+  TS_CHECK(reinterpret_cast<uintptr_t>(wire) % 4 == 0, "int8 block quantization: the wire buffer is not 4-byte aligned");
+  const int64_t n = x.numel();
+  uint8_t* end = wire + wire_bytes(n);
+  std::fill(wire + 4 * ((n + kBlock - 1) / kBlock) + n, end, uint8_t{0});  // the padding: deterministic bytes
+  if (x.scalar_type() == at::kFloat) encode_blocks(x.data_ptr<float>(), n, wire);
+  else encode_blocks(x.data_ptr<at::BFloat16>(), n, wire);
+}
+
+void Int8Blocks::decode(const uint8_t* wire, const at::Tensor& out) {
+  TS_CHECK(out.is_contiguous() && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+           "int8 block dequantization writes a contiguous fp32 or bf16 tensor, got ", out.scalar_type());
+  if (out.scalar_type() == at::kFloat) decode_blocks(wire, out.numel(), out.data_ptr<float>());
+  else decode_blocks(wire, out.numel(), out.data_ptr<at::BFloat16>());
+}
+
+}  // namespace torchspeed::comm

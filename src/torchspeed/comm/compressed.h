@@ -78,4 +78,21 @@ class QuantizedReduceScatter {
   int hosts_ = 1, local_ = 1;
 };
 
+// Note [Quantized all-gather] (ZeRO++ qwZ, `zero_quantized_weights`)
+// DeepSpeed's qwZ all-gathers stage 3's parameter shards as int8 with one scale per group of a few
+// thousand elements (symmetric: q = round(x / s), s = max |x| / 127). Here each shard of n
+// elements is cut into blocks of kBlock and sent as wire_bytes(n) bytes: the fp32 scales, then one
+// int8 per element, padded to 4 bytes (a rank's row keeps its scales aligned in the gathered
+// buffer). Every rank decodes every row, its own too, so all ranks compute with the same values.
+// The error of an element is at most half its block's scale; a block holding inf or NaN decodes
+// to NaN. 4 bytes per fp32 element become about 1 + 4 / kBlock: 3.99x less (bf16: 1.99x).
+struct Int8Blocks {
+  static constexpr int64_t kBlock = 2048;
+  static int64_t wire_bytes(int64_t n) { return (4 * ((n + kBlock - 1) / kBlock) + n + 3) / 4 * 4; }
+  // x: n elements, fp32 or bf16, contiguous; wire: wire_bytes(n) bytes, 4-byte aligned.
+  static void encode(const at::Tensor& x, uint8_t* wire);
+  // Writes the n values the bytes decode to into out (fp32 or bf16, contiguous, n elements).
+  static void decode(const uint8_t* wire, const at::Tensor& out);
+};
+
 }  // namespace torchspeed::comm

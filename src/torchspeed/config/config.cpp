@@ -353,12 +353,19 @@ void read_zero(JsonReader& r, ZeroConfig& c) {
   no_effect(r, "model_persistence_threshold", "every unit below stage3_param_persistence_threshold stays whole");
   no_effect(r, "stage3_max_reuse_distance", "stage 3 releases a layer as soon as its forward or backward ends");
   no_effect(r, "max_reuse_distance", "stage 3 releases a layer as soon as its forward or backward ends");
-  // ZeRO++ and MiCS change what is communicated: only their off values are accepted.
-  if (r.get_int("zero_hpz_partition_size", 1, 1) != 1) {
-    r.error("zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ) is not available in torchspeed yet; use 1");
+  // ZeRO++ hpZ and qwZ act on stage 3's parameter gathers (DeepSpeed ignores them below stage 3;
+  // here they are refused, never accepted and ignored). Whether hpZ's size divides the
+  // data-parallel size is checked when the engine knows that size.
+  c.hpz_partition_size = static_cast<int>(r.get_int("zero_hpz_partition_size", 1, 1, 1 << 20));
+  if (c.hpz_partition_size > 1 && c.stage != 3) {
+    r.error("zero_hpz_partition_size", concat("ZeRO++ hierarchical partitioning (hpZ) keeps a secondary copy of stage 3's "
+                                              "parameter shards: it needs stage 3, and stage is ", c.stage));
   }
-  only(r, "zero_quantized_weights", false, false,
-       "ZeRO++ quantized weight all-gather (qwZ) is not available in torchspeed yet");
+  c.quantized_weights = r.get_bool("zero_quantized_weights", false);
+  if (c.quantized_weights && c.stage != 3) {
+    r.error("zero_quantized_weights", concat("ZeRO++ quantized weights (qwZ) quantize stage 3's parameter all-gather: they "
+                                             "need stage 3, and stage is ", c.stage));
+  }
   // qgZ: DeepSpeed applies it at stage 3; the same reduce-scatter serves stage 2 here.
   c.quantized_gradients = r.get_bool("zero_quantized_gradients", false);
   if (c.quantized_gradients && c.stage < 2) {
@@ -996,6 +1003,8 @@ nlohmann::json Config::to_json() const {
       {"stage", z.stage}, {"contiguous_gradients", z.contiguous_gradients},
       {"reduce_scatter", z.reduce_scatter}, {"reduce_bucket_size", z.reduce_bucket_size},
       {"zero_quantized_gradients", z.quantized_gradients},
+      {"zero_hpz_partition_size", z.hpz_partition_size},
+      {"zero_quantized_weights", z.quantized_weights},
       {"allgather_partitions", z.allgather_partitions},
       {"allgather_bucket_size", z.allgather_bucket_size}, {"overlap_comm", z.overlap_comm},
       {"load_from_fp32_weights", z.load_from_fp32_weights},

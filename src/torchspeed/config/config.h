@@ -137,6 +137,12 @@ struct ZeroConfig {
   // ZeRO++ qgZ: the gradients' reduce-scatter sends 4-bit blocks across hosts (stages 2-3;
   // Note [Quantized reduce-scatter]).
   bool quantized_gradients = false;
+  // ZeRO++ hpZ (stage 3): after a layer's forward all-gather each rank keeps a secondary shard,
+  // 1/hpz_partition_size of it, so later gathers until the step stay within a group of that
+  // many consecutive data-parallel ranks (a host). 1: off.
+  int hpz_partition_size = 1;
+  // ZeRO++ qwZ (stage 3): parameter all-gathers send int8 blocks (Note [Quantized all-gather]).
+  bool quantized_weights = false;
 };
 
 struct ActivationCheckpointingConfig {

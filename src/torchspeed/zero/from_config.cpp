@@ -79,6 +79,8 @@ ZeroOptions zero_options_of(const config::Config& c) {
       .overlap_comm(c.zero.overlap_comm)
       .reduce_scatter(c.zero.reduce_scatter)
       .quantized_gradients(c.zero.quantized_gradients)
+      .hpz_partition_size(c.zero.hpz_partition_size)
+      .quantized_weights(c.zero.quantized_weights)
       .sub_group_numel(c.zero.sub_group_size)
       .prefetch_bucket_numel(c.zero.prefetch_bucket_size)
       .param_persistence_threshold(c.zero.param_persistence_threshold)

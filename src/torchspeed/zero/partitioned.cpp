@@ -14,6 +14,9 @@
 
 #include <algorithm>
 
+#include "torchspeed/comm/compressed.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/logging.h"
 #include "torchspeed/zero/detail/strategies.h"
 #include "torchspeed/zero/detail/units.h"
 
@@ -109,13 +112,38 @@ int64_t PartitionedGradients::gradient_bytes() const {
 
 // --- stage 3: the gatherer ---------------------------------------------------------------------
 
+// Note [Hierarchical partitioning] (ZeRO++ hpZ, `zero_hpz_partition_size` = h)
+// A unit's first gather after a step is the full all-gather of its primary shards across the
+// data-parallel group, which crosses hosts. Its result is then cut into h slices and each rank
+// of every group of h consecutive data-parallel ranks keeps its own slice, the secondary shard
+// (padded / h elements, a multiple of 16: h divides the group's size). Every later gather of
+// the unit until the next step (backward, and the next micro-steps' forward and backward) is an
+// all-gather of the secondary shards within the group, which a host holds when h is the ranks
+// per host. The step changes the parameters: gather_updated marks every secondary stale, on
+// every rank at the same point, so all ranks agree which group each gather runs in. Per step
+// the slow link carries one all-gather of the parameters instead of 1 + 2 x (micro-steps - 1)
+// + 1; each rank keeps padded / h more elements per gathered unit. The values are those the
+// forward gather produced (with qwZ: the dequantized ones), so hpZ alone changes no number.
+
 class ParameterGatherer final : public LayerHooks, public std::enable_shared_from_this<ParameterGatherer> {
  public:
   ParameterGatherer(std::vector<std::unique_ptr<Unit>>& units, std::vector<std::vector<size_t>> layer_units,
                     comm::CommunicatorPtr dp, const ZeroOptions& options, TransientBytes& transient, Timings& timings)
       : units_(units), layer_units_(std::move(layer_units)), dp_(std::move(dp)), shards_(options.param_store()),
         prefetch_numel_(options.prefetch_bucket_numel()), max_live_(options.max_live_parameters()),
-        transient_(transient), timings_(timings) {}
+        quantized_(options.quantized_weights() && dp_->size() > 1), transient_(transient), timings_(timings) {
+    const int h = options.hpz_partition_size(), p = dp_->size();
+    TS_CHECK(h >= 1 && p % h == 0, "zero_optimization.zero_hpz_partition_size: ", h,
+             " does not divide the data-parallel size ", p, " (it is the ranks of a group that share a host)");
+    if (h > 1 && h < p) {  // h == p: the secondary group would be the whole group
+      hpz_ = dp_->split(dp_->rank() / h, dp_->rank(), dp_->name() + ".hpz");  // collective
+      const int hosts = dp_->hierarchy_hosts();
+      if (hosts > 1 && (p / hosts) % h != 0 && dp_->rank() == 0) {
+        log::warn("zero_optimization.zero_hpz_partition_size: ", h, " consecutive data-parallel ranks span hosts (",
+                  p / hosts, " of the group's ranks share each host): hpZ's gathers still cross the link");
+      }
+    }
+  }
 
   ~ParameterGatherer() override {
     // Prefetches in flight write into our units' storage: wait for them.
@@ -156,13 +184,42 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
     if (u.gathered || u.gather_work) return;
     resize_storage(u.full, u.padded * static_cast<int64_t>(u.full.element_size()));
     transient_.add(u.full.nbytes());
-    if (!u.shard_param.defined()) {  // offloaded: the shard comes from its file into its slot
-      at::Tensor slot = u.full.narrow(0, dp_->rank() * u.shard, u.shard);
-      shards_->read(u.index, slot.data_ptr());
-      u.gather_work = dp_->all_gather_async(slot, u.full);
+    if (hpz_ && u.secondary_valid) {  // within the host (Note [Hierarchical partitioning])
+      u.gather_work = hpz_->all_gather_async(u.secondary, u.full);
       return;
     }
-    u.gather_work = dp_->all_gather_async(u.shard_param, u.full);
+    at::Tensor mine = u.shard_param;
+    if (!mine.defined()) {  // offloaded: the shard comes from its file into its slot
+      mine = u.full.narrow(0, dp_->rank() * u.shard, u.shard);
+      shards_->read(u.index, mine.data_ptr());
+    }
+    if (quantized_) {  // qwZ: every rank's shard as int8 blocks, decoded in finish_gather
+      const int64_t wb = comm::Int8Blocks::wire_bytes(u.shard);
+      u.qw_wire = at::empty({dp_->size() * wb}, at::kByte);
+      transient_.add(u.qw_wire.nbytes());
+      at::Tensor row = u.qw_wire.narrow(0, dp_->rank() * wb, wb);
+      comm::Int8Blocks::encode(mine, row.data_ptr<uint8_t>());
+      u.gather_work = dp_->all_gather_async(row, u.qw_wire);
+      return;
+    }
+    u.gather_work = dp_->all_gather_async(mine, u.full);
+  }
+
+  // The gather has completed: decode qwZ's rows, keep hpZ's secondary shard.
+  void finish_gather(Unit& u) {
+    if (u.qw_wire.defined()) {
+      const int64_t wb = comm::Int8Blocks::wire_bytes(u.shard);
+      const uint8_t* wire = u.qw_wire.data_ptr<uint8_t>();
+      for (int r = 0; r < dp_->size(); ++r) comm::Int8Blocks::decode(wire + r * wb, u.full.narrow(0, r * u.shard, u.shard));
+      transient_.add(-u.qw_wire.nbytes());
+      u.qw_wire = at::Tensor();
+    }
+    if (hpz_ && !u.secondary_valid) {
+      const int64_t n = u.padded / hpz_->size();
+      if (!u.secondary.defined()) u.secondary = at::empty({n}, u.full.options());
+      u.secondary.copy_(u.full.narrow(0, hpz_->rank() * n, n));
+      u.secondary_valid = true;
+    }
   }
 
   // Offloaded shards of the next layers in stack order (the order they run: no trace needed)
@@ -185,6 +242,7 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
     u.gather_work->wait();
     timings_.allgather_s += seconds_since(t);
     u.gather_work.reset();
+    finish_gather(u);
     u.gathered = true;
   }
 
@@ -209,8 +267,10 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
   std::vector<std::unique_ptr<Unit>>& units_;
   std::vector<std::vector<size_t>> layer_units_;  // units each layer needs
   comm::CommunicatorPtr dp_;
+  comm::CommunicatorPtr hpz_;  // hpZ's group of consecutive data-parallel ranks; null: off
   ShardStorePtr shards_;
   int64_t prefetch_numel_, max_live_;
+  bool quantized_;  // qwZ
   TransientBytes& transient_;
   Timings& timings_;
 };

@@ -136,6 +136,10 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
   dp_rank_ = dp_->rank();
   TS_CHECK(!options_.quantized_gradients() || ((strategy == Stage::k2 || strategy == Stage::k3) && options_.reduce_scatter()),
            "zero_quantized_gradients (qgZ) needs stage 2 or 3 with reduce_scatter");
+  TS_CHECK(options_.hpz_partition_size() == 1 || strategy == Stage::k3,
+           "zero_hpz_partition_size (hpZ) partitions parameters: it needs stage 3");
+  TS_CHECK(!options_.quantized_weights() || strategy == Stage::k3,
+           "zero_quantized_weights (qwZ) quantizes the parameters' all-gather: it needs stage 3");
   if (options_.quantized_gradients() && dp_size_ > 1) qgz_ = std::make_unique<comm::QuantizedReduceScatter>(dp_);  // collective
   accum_dtype_ = options_.grad_accum_dtype();
   const bool bf16 = options_.precision() == precision::Precision::kBF16;
@@ -571,6 +575,7 @@ void ZeroOptimizer::elementwise_update(float grad_scale, double lr, std::optiona
 }
 
 void ZeroOptimizer::gather_updated() {
+  for (auto& u : units_) u->secondary_valid = false;  // hpZ: the parameters changed
   if (!sharded_) return;
   std::vector<comm::WorkPtr> works;
   for (auto& up : units_) {
@@ -591,6 +596,7 @@ MemoryReport ZeroOptimizer::memory() const {
   for (const auto& u : units_) {
     if (u->persistent) r.params += u->full.nbytes();
     if (u->shard_param.defined()) r.params += u->shard_param.nbytes();
+    if (u->secondary.defined()) r.params += u->secondary.nbytes();  // hpZ
   }
   r.gradients = gradient_bytes();
   if (const auto& ps = options_.param_store()) {

@@ -55,6 +55,15 @@ struct ZeroOptions {
   // ZeRO++ qgZ (stages 2-3): reduce-scatter fp32 gradients with 4-bit blocks across hosts
   // (Note [Quantized reduce-scatter] in comm/compressed.h); blocking, not overlapped.
   TORCH_ARG(bool, quantized_gradients) = false;
+  // ZeRO++ hpZ (stage 3): a unit's forward all-gather leaves each rank a secondary shard of
+  // 1/hpz_partition_size of it, and its later gathers until the next step run within a group of
+  // that many consecutive data-parallel ranks (Note [Hierarchical partitioning] in
+  // partitioned.cpp). Must divide the data-parallel size; 1: off.
+  TORCH_ARG(int, hpz_partition_size) = 1;
+  // ZeRO++ qwZ (stage 3): the parameters' all-gather across the data-parallel group sends each
+  // shard as int8 blocks (Note [Quantized all-gather] in comm/compressed.h); every rank computes
+  // with the same dequantized values. The shards and masters stay exact.
+  TORCH_ARG(bool, quantized_weights) = false;
   // Most elements one fused optimizer call updates (DeepSpeed's sub_group_size): the step runs
   // over the partition in sub-groups of at most this size.
   TORCH_ARG(int64_t, sub_group_numel) = 1000000000;

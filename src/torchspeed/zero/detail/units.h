@@ -51,6 +51,13 @@ struct Unit {
   bool persistent = true;
   bool gathered = true;
   comm::WorkPtr gather_work;
+  // ZeRO++ hpZ: this rank's slice [padded / hpz] of the gathered unit, valid from the unit's
+  // first full gather until the step changes the parameters.
+  at::Tensor secondary;
+  bool secondary_valid = false;
+  // ZeRO++ qwZ: a gather in flight of int8 blocks ([ranks, wire bytes]), decoded into `full`
+  // when it completes.
+  at::Tensor qw_wire;
   // Gradients: [padded] in the accumulation dtype (replicated) or a transient bucket in the
   // storage dtype (partitioned), its copy in the communication dtype, and the reduce-scatter
   // output [shard].
