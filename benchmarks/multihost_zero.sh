@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
-# Hierarchical against flat collectives across hosts (Note [Hierarchical collectives]), and
-# ZeRO++ qgZ (Note [Quantized reduce-scatter]): ZeRO-2 data parallel on the d768 GPT (86M
+# Hierarchical against flat collectives across hosts (Note [Hierarchical collectives]) and the
+# ZeRO++ options: data parallel ZeRO (STAGE 2, the default, or 3) on the d768 GPT (86M
 # parameters, fp32) over 2 hosts x 2 ranks, hosts being network namespaces of scripts/multihost
 # joined by a link shaped to RATE (default 1gbit). For each mode, two runs (S1 and S2 steps) give
 # the bytes each host sent on its link per step (the difference over S2 - S1 steps, so start-up
-# traffic cancels), beside the formula:
-#   flat:         L (H-1)/H x (gradient bytes + parameter bytes) per host per step
-#   hierarchical:   (H-1)/H x (gradient bytes + parameter bytes)
-#   qgz:            (H-1)/H x (gradient bytes x (1/2 + 4/128) / 4 + parameter bytes)
-# (ZeRO-2: a reduce-scatter of the gradients and an all-gather of the updated parameters; qgZ
-# sends the gradients as 4-bit blocks of 128 with an fp32 scale), and the median step time of
-# the longer run. Prints the ratios side by side. MODES (default "flat hier qgz") picks modes.
+# traffic cancels), beside the formula, with P the parameters' fp32 bytes (= the gradients'),
+# f = (H-1)/H, L ranks per host, q = (1 + 4/2048) / 4 (int8 blocks of 2048 with an fp32 scale),
+# g = (1/2 + 4/128) / 4 (4-bit blocks of 128 with an fp32 scale):
+#   ZeRO-2 (a reduce-scatter of the gradients, an all-gather of the updated parameters)
+#     flat  L f (P + P)      hier  f (P + P)      qgz  f (g P + P)
+#   ZeRO-3 (each layer gathered for forward and again for backward, gradients reduce-scattered)
+#     flat  L f (2P + P)     hier  f (2P + P)     qgz  f (2P + g P)
+#     hpz   f (P + P)        (zero_hpz_partition_size 2: backward gathers within the host)
+#     qwz   f (2 q P + P)    (zero_quantized_weights: int8 all-gathers)
+#     zeropp f (q P + g P)   (hpZ + qwZ + qgZ: ZeRO++)
+# and the median step time of the longer run. Prints the ratios side by side. MODES picks modes
+# (default: every mode of the stage). Persistent small units (layer norms) are left out of the
+# formula: under 0.1% of the bytes.
 #
 # The step time gains what the link costs: 4 ranks share this machine's cores, so the longer the
 # samples (SEQ, default 128), the more the step is compute and the less the link matters.
 #
-# Usage: [SEQ=32] benchmarks/multihost_zero2.sh [CLI] [RATE]   (as root; exit 77 without namespaces)
+# Usage: [STAGE=3] [SEQ=32] [MODES="hier hpz"] benchmarks/multihost_zero.sh [CLI] [RATE]
+#        (as root; exit 77 without namespaces)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cli="${1:-$root/build/bin/torchspeed}"
 rate="${2:-1gbit}"
-S1="${S1:-2}" S2="${S2:-5}" SEQ="${SEQ:-128}" MODES="${MODES:-flat hier qgz}"  # SEQ: tokens per sample (the compute per step)
-work="$(mktemp -d /tmp/ts-multihost-zero2.XXXXXX)"
+S1="${S1:-2}" S2="${S2:-5}" SEQ="${SEQ:-128}" STAGE="${STAGE:-2}"  # SEQ: tokens per sample (the compute per step)
+case "$STAGE" in
+  2) MODES="${MODES:-flat hier qgz}" ;;
+  3) MODES="${MODES:-flat hier qgz hpz qwz zeropp}" ;;
+  *) echo "multihost_zero.sh: STAGE must be 2 or 3, not '$STAGE'" >&2; exit 2 ;;
+esac
+work="$(mktemp -d /tmp/ts-multihost-zero.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 cat >"$work/cfg.json" <<JSON
 {
@@ -29,7 +41,7 @@ cat >"$work/cfg.json" <<JSON
   "train_micro_batch_size_per_gpu": 1,
   "seed": 1234,
   "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-  "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000, "overlap_comm": true},
+  "zero_optimization": {"stage": $STAGE, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000, "overlap_comm": true},
   "model": {"vocab": 256, "seq_len": $SEQ, "d_model": 768, "n_layer": 12, "n_head": 12, "dropout": 0.0},
   "train": {"eval_interval": 1000, "log_interval": 1, "checkpoint_interval": 0}
 }
@@ -46,17 +58,20 @@ for mode in $MODES; do
     sent >"$work/\$mode-\$steps.before"
     TORCHSPEED_COMM_HIERARCHICAL=\$([ \$mode = flat ] && echo 0 || echo 1) \
       "$cli" launch --hostfile "\$TS_MH_HOSTFILE" -- "$cli" train -c "$work/cfg.json" --out "$work/\$mode-\$steps" \
-      --set train.steps=\$steps --set zero_optimization.zero_quantized_gradients=\$([ \$mode = qgz ] && echo true || echo false) \
+      --set train.steps=\$steps \
+      --set zero_optimization.zero_quantized_gradients=\$(case \$mode in (qgz|zeropp) echo true;; *) echo false;; esac) \
+      --set zero_optimization.zero_hpz_partition_size=\$(case \$mode in (hpz|zeropp) echo 2;; *) echo 1;; esac) \
+      --set zero_optimization.zero_quantized_weights=\$(case \$mode in (qwz|zeropp) echo true;; *) echo false;; esac) \
       >"$work/\$mode-\$steps.log" 2>&1 || { cat "$work/\$mode-\$steps.log"; exit 1; }
     sent >"$work/\$mode-\$steps.after"
   done
 done
 INNER
 "$root/scripts/multihost" --hosts 2 --slots 2 --rate "$rate" -- bash "$work/runs.sh"
-python3 - "$work" "$S1" "$S2" "$rate" "$SEQ" "$MODES" <<'PY'
+python3 - "$work" "$S1" "$S2" "$rate" "$SEQ" "$MODES" "$STAGE" <<'PY'
 import csv, statistics, sys
 work, s1, s2, rate, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-modes = sys.argv[6].split()
+modes, stage = sys.argv[6].split(), int(sys.argv[7])
 H, L = 2, 2
 params = 0
 with open(f"{work}/{modes[0]}-{s2}.log") as f:
@@ -76,23 +91,30 @@ def step_s(mode):
     rows = list(csv.DictReader(open(f"{work}/{mode}-{s2}/metrics.csv")))
     tokens = 4 * seq
     return statistics.median(tokens / float(r["tokens_per_s"]) for r in rows[1:])
-fp32 = 4 * params
-formula = {"flat": L * (H - 1) / H * 2 * fp32, "hier": (H - 1) / H * 2 * fp32,
-           "qgz": (H - 1) / H * (fp32 * (0.5 + 4 / 128) / 4 + fp32)}
-print(f"multihost zero2: d768 GPT ({params / 1e6:.1f}M parameters, fp32), ZeRO-2, {H} hosts x {L} ranks, 1 sample of {seq} tokens per rank, link {rate}")
+P = 4 * params
+f, q, g = (H - 1) / H, (1 + 4 / 2048) / 4, (0.5 + 4 / 128) / 4
+gathers = 1 if stage == 2 else 2  # parameter all-gathers per step
+formula = {"flat": L * f * (gathers * P + P), "hier": f * (gathers * P + P), "qgz": f * (gathers * P + g * P),
+           "hpz": f * (P + P), "qwz": f * (2 * q * P + P), "zeropp": f * (q * P + g * P)}
+print(f"multihost zero{stage}: d768 GPT ({params / 1e6:.1f}M parameters, fp32), ZeRO-{stage}, {H} hosts x {L} ranks, "
+      f"1 sample of {seq} tokens per rank, link {rate}")
 res = {}
 for mode in modes:
     b = per_step(mode)
     t = step_s(mode)
     res[mode] = (b, t)
     for h, v in sorted(b.items()):
-        print(f"  {mode:5s} {h}: {v / 1e6:8.1f} MB per step on its link; formula {formula[mode] / 1e6:8.1f} MB ({v / formula[mode]:.3f}x)")
-    print(f"  {mode:5s} median step {t:.2f} s")
+        print(f"  {mode:6s} {h}: {v / 1e6:8.1f} MB per step on its link; formula {formula[mode] / 1e6:8.1f} MB ({v / formula[mode]:.3f}x)")
+    print(f"  {mode:6s} median step {t:.2f} s")
 def ratio(a, b, what):
     if a in res and b in res:
-        print(f"multihost zero2: {what}: link bytes {min(res[b][0].values()) / max(res[a][0].values()):.3f}x; "
+        print(f"multihost zero{stage}: {what}: link bytes {min(res[b][0].values()) / max(res[a][0].values()):.3f}x; "
               f"step {res[a][1] / res[b][1]:.2f}x faster")
-ratio("flat", "hier", "hierarchical vs flat (target 1.5x faster)")
+ratio("flat", "hier", "hierarchical vs flat" + (" (target 1.5x faster)" if stage == 2 else ""))
 ratio("flat", "qgz", "qgZ (hierarchical, 4-bit gradients across hosts) vs flat")
 ratio("hier", "qgz", "qgZ vs hierarchical fp32")
+ratio("hier", "hpz", "hpZ (backward gathers within the host) vs hierarchical")
+ratio("hier", "qwz", "qwZ (int8 parameter all-gathers) vs hierarchical")
+ratio("hier", "zeropp", "ZeRO++ (hpZ + qwZ + qgZ) vs hierarchical")
+ratio("flat", "zeropp", "ZeRO++ vs flat")
 PY
