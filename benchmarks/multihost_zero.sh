@@ -21,13 +21,14 @@
 # The step time gains what the link costs: 4 ranks share this machine's cores, so the longer the
 # samples (SEQ, default 128), the more the step is compute and the less the link matters.
 #
-# Usage: [STAGE=3] [SEQ=32] [MODES="hier hpz"] benchmarks/multihost_zero.sh [CLI] [RATE]
+# Usage: [STAGE=3] [SEQ=32] [MODES="hier hpz"] [BUCKET=20000000] benchmarks/multihost_zero.sh [CLI] [RATE]
 #        (as root; exit 77 without namespaces)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cli="${1:-$root/build/bin/torchspeed}"
 rate="${2:-1gbit}"
 S1="${S1:-2}" S2="${S2:-5}" SEQ="${SEQ:-128}" STAGE="${STAGE:-2}"  # SEQ: tokens per sample (the compute per step)
+BUCKET="${BUCKET:-50000000}"  # reduce_bucket_size (and allgather_bucket_size): smaller buckets start reducing earlier in backward
 case "$STAGE" in
   2) MODES="${MODES:-flat hier qgz}" ;;
   3) MODES="${MODES:-flat hier qgz hpz qwz zeropp}" ;;
@@ -41,7 +42,7 @@ cat >"$work/cfg.json" <<JSON
   "train_micro_batch_size_per_gpu": 1,
   "seed": 1234,
   "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-  "zero_optimization": {"stage": $STAGE, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000, "overlap_comm": true},
+  "zero_optimization": {"stage": $STAGE, "reduce_bucket_size": $BUCKET, "allgather_bucket_size": $BUCKET, "overlap_comm": true},
   "model": {"vocab": 256, "seq_len": $SEQ, "d_model": 768, "n_layer": 12, "n_head": 12, "dropout": 0.0},
   "train": {"eval_interval": 1000, "log_interval": 1, "checkpoint_interval": 0}
 }
@@ -68,7 +69,7 @@ for mode in $MODES; do
 done
 INNER
 "$root/scripts/multihost" --hosts 2 --slots 2 --rate "$rate" -- bash "$work/runs.sh"
-python3 - "$work" "$S1" "$S2" "$rate" "$SEQ" "$MODES" "$STAGE" <<'PY'
+python3 - "$work" "$S1" "$S2" "$rate" "$SEQ" "$MODES" "$STAGE" "$BUCKET" <<'PY'
 import csv, statistics, sys
 work, s1, s2, rate, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 modes, stage = sys.argv[6].split(), int(sys.argv[7])
@@ -97,7 +98,7 @@ gathers = 1 if stage == 2 else 2  # parameter all-gathers per step
 formula = {"flat": L * f * (gathers * P + P), "hier": f * (gathers * P + P), "qgz": f * (gathers * P + g * P),
            "hpz": f * (P + P), "qwz": f * (2 * q * P + P), "zeropp": f * (q * P + g * P)}
 print(f"multihost zero{stage}: d768 GPT ({params / 1e6:.1f}M parameters, fp32), ZeRO-{stage}, {H} hosts x {L} ranks, "
-      f"1 sample of {seq} tokens per rank, link {rate}")
+      f"1 sample of {seq} tokens per rank, link {rate}, buckets of {sys.argv[8]} elements")
 res = {}
 for mode in modes:
     b = per_step(mode)

@@ -285,7 +285,78 @@ void QuantizedReduceScatter::decode_add(const uint8_t* wire, int64_t n, float* y
   });
 }
 
-void QuantizedReduceScatter::run(const at::Tensor& in, const at::Tensor& out, ReduceOp op) {
+// The op's stages, advanced whenever the Work is polled or waited for: (0) the intra-host
+// reduce-scatters in flight; (1) the quantized rows in flight across hosts; (2) decoded, done.
+class QuantizedReduceScatterWork final : public Work {
+ public:
+  QuantizedReduceScatterWork(CommunicatorPtr inter, at::Tensor rows, at::Tensor out, ReduceOp op, int64_t ranks,
+                             std::vector<WorkPtr> intra)
+      : Work({out}), inter_(std::move(inter)), rows_(std::move(rows)), out_(std::move(out)), op_(op), ranks_(ranks),
+        works_(std::move(intra)) {
+    advance();
+  }
+  void wait() override {
+    while (stage_ < 2) {
+      for (auto& w : works_) w->wait();
+      advance();
+    }
+  }
+  bool is_completed() override {
+    advance();
+    return stage_ == 2;
+  }
+  std::exception_ptr exception() const override {
+    for (const auto& w : works_)
+      if (auto e = w->exception()) return e;
+    return nullptr;
+  }
+
+ private:
+  void advance() {
+    while (stage_ < 2) {
+      for (auto& w : works_)
+        if (!w->is_completed()) return;  // (throws the op's failure)
+      works_.clear();
+      if (stage_ == 0) send_rows(); else finish();
+      ++stage_;
+    }
+  }
+  void send_rows() {
+    const int64_t H = rows_.size(0), c = rows_.size(1), me = inter_->rank();
+    const int64_t wb = (QuantizedReduceScatter::wire_bytes(c) + 3) / 4 * 4;  // every row's scales 4-byte aligned
+    sendbuf_ = at::empty({H, wb}, at::kByte);
+    recvbuf_ = at::empty({H, wb}, at::kByte);
+    for (int64_t h = 0; h < H; ++h) {
+      if (h != me) QuantizedReduceScatter::encode(rows_[h].data_ptr<float>(), c, sendbuf_[h].data_ptr<uint8_t>());
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      if (h == me) continue;
+      works_.push_back(inter_->recv_async(recvbuf_[h], static_cast<int>(h), kQuantTag));
+      works_.push_back(inter_->send_async(sendbuf_[h], static_cast<int>(h), kQuantTag));
+    }
+  }
+  void finish() {
+    const int64_t H = rows_.size(0), c = rows_.size(1), me = inter_->rank();
+    out_.copy_(rows_[me]);
+    float* y = out_.data_ptr<float>();
+    for (int64_t h = 0; h < H; ++h) {
+      if (h != me) QuantizedReduceScatter::decode_add(recvbuf_[h].data_ptr<uint8_t>(), c, y);
+    }
+    if (op_ == ReduceOp::kAvg) out_.div_(static_cast<double>(ranks_));
+    rows_ = sendbuf_ = recvbuf_ = at::Tensor();
+  }
+
+  CommunicatorPtr inter_;
+  at::Tensor rows_, out_, sendbuf_, recvbuf_;
+  ReduceOp op_;
+  int64_t ranks_;
+  std::vector<WorkPtr> works_;  // the stage's ops in flight
+  int stage_ = 0;
+};
+
+void QuantizedReduceScatter::run(const at::Tensor& in, const at::Tensor& out, ReduceOp op) { run_async(in, out, op)->wait(); }
+
+WorkPtr QuantizedReduceScatter::run_async(const at::Tensor& in, const at::Tensor& out, ReduceOp op) {
   TS_CHECK(in.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && in.is_contiguous() && out.is_contiguous(),
            "quantized reduce-scatter takes contiguous fp32 tensors, got ", in.scalar_type(), " and ", out.scalar_type());
   TS_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, "quantized reduce-scatter: only sum and avg");
@@ -294,35 +365,16 @@ void QuantizedReduceScatter::run(const at::Tensor& in, const at::Tensor& out, Re
   const int64_t H = hosts_, L = local_;
   // Step 1: rows[h] = this host's sum of chunk (h, l) (l = this rank's local index).
   at::Tensor rows;
+  std::vector<WorkPtr> works;
   if (intra_) {
     rows = at::empty({H, c}, in.options());
     const at::Tensor blocks = in.view({H, L * c});
-    std::vector<WorkPtr> works;
     for (int64_t h = 0; h < H; ++h) works.push_back(intra_->reduce_scatter_async(blocks[h], rows[h], ReduceOp::kSum));
-    for (auto& w : works) w->wait();
   } else {
     rows = in.view({H, c});
   }
-  // Step 2: across hosts, quantized.
-  const int me = inter_->rank();
-  const int64_t wb = (wire_bytes(c) + 3) / 4 * 4;  // keep every row's scales 4-byte aligned
-  at::Tensor sendbuf = at::empty({H, wb}, at::kByte), recvbuf = at::empty({H, wb}, at::kByte);
-  for (int64_t h = 0; h < H; ++h) {
-    if (h != me) encode(rows[h].data_ptr<float>(), c, sendbuf[h].data_ptr<uint8_t>());
-  }
-  std::vector<WorkPtr> works;
-  for (int64_t h = 0; h < H; ++h) {
-    if (h == me) continue;
-    works.push_back(inter_->recv_async(recvbuf[h], static_cast<int>(h), kQuantTag));
-    works.push_back(inter_->send_async(sendbuf[h], static_cast<int>(h), kQuantTag));
-  }
-  for (auto& w : works) w->wait();
-  out.copy_(rows[me]);
-  float* y = out.data_ptr<float>();
-  for (int64_t h = 0; h < H; ++h) {
-    if (h != me) decode_add(recvbuf[h].data_ptr<uint8_t>(), c, y);
-  }
-  if (op == ReduceOp::kAvg) out.div_(static_cast<double>(p));
+  // Step 2 (the Work's): across hosts, quantized.
+  return std::make_shared<QuantizedReduceScatterWork>(inter_, rows, out, op, p, std::move(works));
 }
 
 }  // namespace torchspeed::comm

@@ -66,6 +66,11 @@ class QuantizedReduceScatter {
   // out (c elements) = chunk `rank` of the sum (or average) over the group of `in` (size x c
   // elements); fp32, contiguous. Collective, blocking.
   void run(const at::Tensor& in, const at::Tensor& out, ReduceOp op);
+  // The same, started: the intra-host stage runs on the communicator's engine, and polling the
+  // Work (is_completed) moves the op to its next stage when the one in flight is done, so a caller
+  // that polls while it computes overlaps the transfer. in and out must stay untouched until it
+  // completes. Ops started one after the other must be completed in that order.
+  WorkPtr run_async(const at::Tensor& in, const at::Tensor& out, ReduceOp op);
   int hosts() const { return hosts_; }
   // Bytes of one quantized row of c elements (scales, then two values per byte).
   static int64_t wire_bytes(int64_t c) { return 4 * ((c + kBlock - 1) / kBlock) + (c + 1) / 2; }

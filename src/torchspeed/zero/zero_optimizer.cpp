@@ -74,12 +74,28 @@ using detail::Unit;
 namespace {
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-// A reduction that ran to completion on the caller's thread (qgZ).
-class DoneWork final : public comm::Work {
+// An op followed by a step on the caller's thread, run once when the op is seen complete (qgZ
+// into a bf16 bucket: the fp32 result copied back). Holds what the op reads and writes.
+class ThenWork final : public comm::Work {
  public:
-  void wait() override {}
-  bool is_completed() override { return true; }
-  std::exception_ptr exception() const override { return nullptr; }
+  ThenWork(comm::WorkPtr op, std::function<void()> then) : op_(std::move(op)), then_(std::move(then)) {}
+  void wait() override {
+    op_->wait();
+    run_then();
+  }
+  bool is_completed() override {
+    if (!op_->is_completed()) return false;
+    run_then();
+    return true;
+  }
+  std::exception_ptr exception() const override { return op_->exception(); }
+
+ private:
+  void run_then() {
+    if (then_) std::exchange(then_, nullptr)();
+  }
+  comm::WorkPtr op_;
+  std::function<void()> then_;
 };
 }  // namespace
 
@@ -414,12 +430,11 @@ at::Tensor ZeroOptimizer::start_reduction(size_t ui, bool scatter) {
   if (scatter) {
     u.recv = at::empty({u.shard}, at::TensorOptions().dtype(buf.scalar_type()));
     transient_.add(u.recv.nbytes());
-    if (qgz_) {  // ZeRO++ qgZ: fp32 in, 4-bit blocks across hosts; runs now (blocking)
+    if (qgz_) {  // ZeRO++ qgZ: fp32 in, 4-bit blocks across hosts, advanced as poll_finished polls it
       const at::Tensor in = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
       const at::Tensor out = u.recv.scalar_type() == at::kFloat ? u.recv : at::empty({u.shard}, at::kFloat);
-      qgz_->run(in, out, op);
-      if (!out.is_same(u.recv)) u.recv.copy_(out);
-      u.work = std::make_shared<DoneWork>();
+      u.work = qgz_->run_async(in, out, op);
+      if (!out.is_same(u.recv)) u.work = std::make_shared<ThenWork>(u.work, [in, out, recv = u.recv] { recv.copy_(out); });
     } else {
       u.work = dp_->reduce_scatter_async(buf, u.recv, op);
     }

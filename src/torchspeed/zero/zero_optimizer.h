@@ -53,7 +53,8 @@ struct ZeroOptions {
   // else with all-reduce (DeepSpeed's zero_optimization.reduce_scatter).
   TORCH_ARG(bool, reduce_scatter) = true;
   // ZeRO++ qgZ (stages 2-3): reduce-scatter fp32 gradients with 4-bit blocks across hosts
-  // (Note [Quantized reduce-scatter] in comm/compressed.h); blocking, not overlapped.
+  // (Note [Quantized reduce-scatter] in comm/compressed.h); its stages advance as backward's
+  // gradient hooks poll it (overlap_comm), or when step() waits for it.
   TORCH_ARG(bool, quantized_gradients) = false;
   // ZeRO++ hpZ (stage 3): a unit's forward all-gather leaves each rank a secondary shard of
   // 1/hpz_partition_size of it, and its later gathers until the next step run within a group of
