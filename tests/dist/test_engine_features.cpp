@@ -5,11 +5,19 @@
 
 #include <torch/torch.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
 
 #include "dist_util.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
+#include "torchspeed/runtime/logging.h"
 #include "torchspeed/runtime/memory_counter.h"
 
 using torchspeed::config::Config;
@@ -324,4 +332,55 @@ TEST(EngineFeatures, AGraphThatOutlivesAStageThreeEngineIsAnErrorInBackward) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("no longer exists"), std::string::npos) << e.what();
   }
+}
+
+// steps_per_print, wall_clock_breakdown, memory_breakdown: every steps_per_print optimizer steps
+// world rank 0 logs DeepSpeed's progress line and, when asked, the time per phase and the memory
+// by kind; the other ranks log none of it, and set_progress_report(false) drops the progress line.
+TEST(EngineFeatures, StepsPerPrintReportsWhatTheBreakdownKeysAsk) {
+  auto captured = [](bool breakdown, bool progress) {
+    Config cfg = ts_test::parse_config({{"train_micro_batch_size_per_gpu", 2},
+                                        {"steps_per_print", 2},
+                                        {"wall_clock_breakdown", breakdown},
+                                        {"memory_breakdown", breakdown},
+                                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}, {"betas", {0.8, 0.95}}}}}},
+                                        {"zero_optimization", {{"stage", 2}}}});
+    auto e = torchspeed::initialize(ts_test::dp_groups(), torchspeed::models::gpt_spec(ts_test::tiny_gpt(2), 3), cfg);
+    e->set_progress_report(progress);
+    // The reports are info lines (the tests run at warn); the log writes to file descriptor 2:
+    // point it at a file while training.
+    const auto level = torchspeed::log::level();
+    torchspeed::log::set_level(torchspeed::log::Level::kInfo);
+    std::fflush(stderr);
+    const std::string path = torchspeed::concat(testing::TempDir(), "/report-", world()->rank(), ".log");
+    const int saved = dup(2), fd = open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0600);
+    dup2(fd, 2);
+    for (int s = 0; s < 5; ++s) {
+      int m = 0;
+      e->train_batch([&] { return ts_test::lm_batch(40, s, m++, world()->rank()); });
+    }
+    std::fflush(stderr);
+    dup2(saved, 2);
+    torchspeed::log::set_level(level);
+    close(fd);
+    close(saved);
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  auto count = [](const std::string& text, const std::string& needle) {
+    int n = 0;
+    for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+    return n;
+  };
+  const std::string full = captured(true, true), plain = captured(false, true), quiet = captured(true, false);
+  const bool rank0 = world()->rank() == 0;
+  // Steps 2 and 4 of 5.
+  EXPECT_EQ(count(full, "step=2, skipped=0, lr=[0.001], mom=[(0.8, 0.95)]"), rank0 ? 1 : 0) << full;
+  EXPECT_EQ(count(full, "step=4, skipped=0"), rank0 ? 1 : 0) << full;
+  EXPECT_EQ(count(full, "time (ms) over the last 2 steps | forward: "), rank0 ? 2 : 0) << full;
+  EXPECT_EQ(count(full, "memory | parameters "), rank0 ? 2 : 0) << full;
+  EXPECT_EQ(count(plain, "step="), rank0 ? 2 : 0) << plain;
+  EXPECT_EQ(count(plain, "time (ms)") + count(plain, "memory |"), 0) << plain;
+  EXPECT_EQ(count(quiet, "step="), 0) << quiet;
+  EXPECT_EQ(count(quiet, "time (ms)"), rank0 ? 2 : 0) << quiet;
 }

@@ -241,6 +241,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors), cfg,
                              {no_weight_decay_group(ts.no_decay_embeddings)});
     engine->set_flops_per_sample(gpt.flops_per_token() * static_cast<double>(gpt.seq_len));
+    engine->set_progress_report(false);  // the progress line below, every train.log_interval steps
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
     data::TextLoader loader(corpus.train, gpt.seq_len, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));

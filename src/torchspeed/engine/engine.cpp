@@ -6,6 +6,10 @@
 #include <torch/autograd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include <unistd.h>
 
 #include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/offload/optimizer_swapper.h"
@@ -196,6 +200,50 @@ void Engine::optimizer_step() {
   }
   window_loss_ = 0.0;
   if (config_.autotuning.enabled) autotuning_profile();
+  if (global_steps_ % config_.steps_per_print == 0) report_progress();
+}
+
+// DeepSpeed's engine at each steps_per_print boundary (_report_progress, the wall-clock timers'
+// log, see_memory_usage), world rank 0. The timers are this engine's, summed over the steps
+// since the last report; a rank's forward and backward include the waits on its peers.
+void Engine::report_progress() {
+  const EngineTimings t = timings(),& r = reported_;
+  reported_ = t;
+  if (!log::is_rank0()) return;
+  if (progress_report_) {
+    const auto& o = config_.optimizer;
+    std::string mom;
+    if (o.type == "SGD") {
+      mom = concat(o.momentum);
+    } else {
+      mom = concat("(", schedule_.beta1().value_or(o.betas.at(0)), ", ", o.betas.at(1), ")");
+    }
+    log::info("step=", global_steps_, ", skipped=", skipped_steps_, ", lr=[", schedule_.lr(), "], mom=[", mom, "]");
+  }
+  if (config_.wall_clock_breakdown) {
+    auto ms = [](double a, double b) { return concat(static_cast<int64_t>(std::llround((a - b) * 1e3))); };
+    std::string line = concat("time (ms) over the last ", config_.steps_per_print, " steps | forward: ",
+                              ms(t.forward_s, r.forward_s), " | backward: ", ms(t.backward_s, r.backward_s),
+                              " | step: reduce wait ", ms(t.reduce_wait_s, r.reduce_wait_s), ", optimizer ",
+                              ms(t.optimizer_s, r.optimizer_s), ", all-gather ", ms(t.allgather_s, r.allgather_s));
+    if (executor_) {
+      line += concat(" | pipeline: busy ", ms(t.pipeline_busy_s, r.pipeline_busy_s), " of ",
+                     ms(t.pipeline_schedule_s, r.pipeline_schedule_s));
+    }
+    log::info(line);
+  }
+  if (config_.memory_breakdown) {
+    const zero::MemoryReport m = zero_->memory();
+    auto mb = [](int64_t b) { return concat(std::llround(static_cast<double>(b) / (1 << 20)), " MB"); };
+    long pages = 0, resident = 0;
+    if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+      std::fclose(f);
+    }
+    log::info("memory | parameters ", mb(m.params), " | gradients ", mb(m.gradients), " | fp32 masters ", mb(m.master),
+              " | optimizer state ", mb(m.optimizer_state), " | offloaded ", mb(m.offloaded), " | peak transient ",
+              mb(m.peak_transient), " | process resident ", mb(static_cast<int64_t>(resident) * sysconf(_SC_PAGESIZE)));
+  }
 }
 
 // DeepSpeed's engine under autotuning (engine.py _autotuning_exit): the mean time of the steps

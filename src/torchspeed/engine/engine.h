@@ -101,6 +101,11 @@ class Engine {
   // Training FLOPs of one sample, for the FLOPS_per_gpu metric (0: unknown).
   void set_flops_per_sample(double flops) { flops_per_sample_ = flops; }
   double loss_scale() const { return scaler_.scale(); }
+  // DeepSpeed's report every steps_per_print optimizer steps, world rank 0, to the log: the
+  // progress line "step=N, skipped=K, lr=[..], mom=[..]"; with wall_clock_breakdown the time per
+  // phase since the last report; with memory_breakdown this rank's memory by kind. An
+  // application that prints its own progress (torchspeed train) turns the progress line off.
+  void set_progress_report(bool on) { progress_report_ = on; }
   // Global L2 norm of the last step's unscaled gradients (before clipping).
   double grad_norm() const { return grad_norm_; }
 
@@ -163,6 +168,7 @@ class Engine {
   void make_checkpoint_comm();
   void make_executor();
   void autotuning_profile();
+  void report_progress();
 
   parallel::ParallelGroups groups_;
   std::vector<ParamGroup> param_groups_;
@@ -190,6 +196,8 @@ class Engine {
   std::optional<std::chrono::steady_clock::time_point> profile_start_;  // autotuning
   nlohmann::json autotuning_metrics_;
   double flops_per_sample_ = 0.0;
+  bool progress_report_ = true;
+  EngineTimings reported_{};  // timings() at the last steps_per_print report
 };
 
 // Builds the process grid and its groups from the config over every rank of the job.
