@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
 #include <unistd.h>
 
@@ -207,8 +208,7 @@ void Engine::optimizer_step() {
 // log, see_memory_usage), world rank 0. The timers are this engine's, summed over the steps
 // since the last report; a rank's forward and backward include the waits on its peers.
 void Engine::report_progress() {
-  const EngineTimings t = timings(),& r = reported_;
-  reported_ = t;
+  const EngineTimings t = timings(), r = std::exchange(reported_, t);  // now, and at the last report
   if (!log::is_rank0()) return;
   if (progress_report_) {
     const auto& o = config_.optimizer;
