@@ -377,12 +377,8 @@ WorkPtr QuantizedReduceScatter::run_async(const at::Tensor& in, const at::Tensor
   return std::make_shared<QuantizedReduceScatterWork>(inter_, rows, out, op, p, std::move(works));
 }
 
-}  // namespace torchspeed::comm
-
 // ---------------------------------------------------------------------------------------------
 // Int8Blocks (Note [Quantized all-gather] in compressed.h)
-
-namespace torchspeed::comm {
 
 namespace {
 template <typename T>

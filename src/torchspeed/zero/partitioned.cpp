@@ -138,8 +138,8 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
     if (h > 1 && h < p) {  // h == p: the secondary group would be the whole group
       hpz_ = dp_->split(dp_->rank() / h, dp_->rank(), dp_->name() + ".hpz");  // collective
       const int hosts = dp_->hierarchy_hosts();
-      if (hosts > 1 && (p / hosts) % h != 0 && dp_->rank() == 0) {
-        log::warn("zero_optimization.zero_hpz_partition_size: ", h, " consecutive data-parallel ranks span hosts (",
+      if (hosts > 1 && (p / hosts) % h != 0) {
+        log::warn0("zero_optimization.zero_hpz_partition_size: ", h, " consecutive data-parallel ranks span hosts (",
                   p / hosts, " of the group's ranks share each host): hpZ's gathers still cross the link");
       }
     }
