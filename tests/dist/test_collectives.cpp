@@ -202,6 +202,41 @@ TEST(Collectives, StagedAcrossHostsWhenTheLayoutAllows) {
   }
 }
 
+// Note [Pipelined stages]: a staged reduce_scatter / all_gather cut into many segments (4 KiB
+// here, the last one partial) gives the bits of the same collective in one segment: each
+// element is summed in the same order whatever the cut. Integer-valued sums also equal the flat
+// reference exactly.
+TEST(Collectives, PipelinedSegmentsGiveTheSameBits) {
+  auto& w = *world();
+  if (w.hierarchy_hosts() == 0) GTEST_SKIP() << "no staged collectives in this layout (the hosts2 variant runs this)";
+  const int p = w.size();
+  auto many = w.split(0, w.rank(), "segments", torchspeed::comm::CommOptions().segment_bytes(4096));
+  auto one = w.split(0, w.rank(), "one-segment", torchspeed::comm::CommOptions().segment_bytes(int64_t{1} << 30));
+  ASSERT_EQ(many->hierarchy_hosts(), w.hierarchy_hosts());
+  const int64_t n = 100003;  // per rank: 98 segments of 1024 fp32 columns, the last of 675
+  for (auto dt : {at::kFloat, at::kDouble, at::kInt}) {
+    for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      if (op == ReduceOp::kAvg && !at::isFloatingType(dt)) continue;
+      at::Tensor in = rank_data(w.rank(), n * p, dt, /*integral=*/true);
+      at::Tensor a = at::empty({n}, dt), b = at::empty({n}, dt);
+      many->reduce_scatter(in, a, op);
+      one->reduce_scatter(in, b, op);
+      expect_equal(a, b, true, name_of("segmented reduce_scatter", dt, op, n));
+      expect_equal(a, reference(op, p, n * p, dt, true).narrow(0, w.rank() * n, n), op == ReduceOp::kSum,
+                   name_of("segmented reduce_scatter vs reference", dt, op, n));
+    }
+  }
+  at::Tensor r = at::randn({n * p}).mul_(w.rank() + 1), a = at::empty({n}), b = at::empty({n});
+  many->reduce_scatter(r, a);
+  one->reduce_scatter(r, b);
+  expect_equal(a, b, true, "segmented reduce_scatter of random fp32");
+  for (auto dt : {at::kFloat, at::kBFloat16, at::kByte}) {
+    at::Tensor in = rank_data(w.rank(), n, dt), out = at::empty({n * p}, dt);
+    many->all_gather(in, out);
+    for (int q = 0; q < p; ++q) EXPECT_TRUE(at::equal(out.view({p, -1})[q], rank_data(q, n, dt))) << "all_gather " << dt << " rank " << q;
+  }
+}
+
 TEST(Collectives, StatsCountPayloadBytes) {
   auto& w = *world();
   auto before = w.stats();

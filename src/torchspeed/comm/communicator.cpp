@@ -61,6 +61,8 @@ int64_t default_one_phase_bytes() {
 
 int64_t default_chunk_bytes() { return env_int64("TORCHSPEED_COMM_CHUNK_BYTES", 1 << 20); }
 
+int64_t default_segment_bytes() { return env_int64("TORCHSPEED_COMM_SEGMENT_BYTES", 1 << 20); }
+
 std::string Communicator::describe(const char* op) const {
   return concat(op, " on group '", name(), "' (rank ", rank(), " of ", size(), ", world rank ",
              world_ranks().at(rank()), ")");

@@ -25,6 +25,8 @@ const char* reduce_op_name(ReduceOp op);
 std::chrono::milliseconds default_timeout();
 // Chunk default: TORCHSPEED_COMM_CHUNK_BYTES, else 1 MiB. See Note [Direct algorithms].
 int64_t default_chunk_bytes();
+// Segment default: TORCHSPEED_COMM_SEGMENT_BYTES, else 1 MiB. See Note [Pipelined stages].
+int64_t default_segment_bytes();
 // One-phase all_reduce threshold: TORCHSPEED_COMM_ONE_PHASE_BYTES, else 64 KiB.
 int64_t default_one_phase_bytes();
 
@@ -37,6 +39,10 @@ struct CommOptions {
   TORCH_ARG(int64_t, chunk_bytes) = default_chunk_bytes();
   // Chunks of one collective in flight at once.
   TORCH_ARG(int, chunks_in_flight) = 4;
+  // A staged (hierarchical) reduce_scatter or all_gather moves segments of about this many bytes
+  // per rank through its stages, one stage working on a segment while the next works on the
+  // one before (Note [Pipelined stages] in mpi_communicator.cpp).
+  TORCH_ARG(int64_t, segment_bytes) = default_segment_bytes();
   // all_reduce moving at most this many bytes per rank ((size-1) x tensor bytes) exchanges
   // whole tensors in one round instead of reduce-scatter + all-gather (lower latency).
   TORCH_ARG(int64_t, one_phase_bytes) = default_one_phase_bytes();

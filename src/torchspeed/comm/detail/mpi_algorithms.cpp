@@ -19,6 +19,12 @@
 //   smaller chunks add message rounds, and with 2 MiB chunks a rank's 1 MiB segment fills the
 //   1 MiB L2, so received data leaves the cache before it is reduced. Hence 1 MiB chunks at
 //   every size (the default).
+// - all_gather over TCP between hosts (2 hosts x 2 ranks, the link shaped to 1 Gbit/s with tc
+//   tbf, 340 MB gathered in 1-5 collectives): each piece as one message took 1.3-1.9x the
+//   link's time, varying from call to call (2.8-5.1 s flat, 1.6-2.9 s staged); in 4 MiB chunks,
+//   4 in flight, 1.08x flat (2.94-2.97 s) and 1.35x staged, steady. A whole piece is pushed
+//   as fast as the sockets take it and overflows the shaped queue. Hence whole pieces within a
+//   host and 4 MiB chunks in a group spanning hosts (AlgoContext::gather_chunk_bytes).
 // - Alignment. Receive pieces in page-aligned scratch and segments starting on 64-byte
 //   boundaries keep the reduction's vector loads within cache lines (on malloc's 16-byte
 //   alignment the kernel took up to 1.5x as long): medians 0.95 -> 1.00 at 1 MiB, 0.94 -> 1.11
@@ -171,12 +177,13 @@ struct ReduceLayout {
   Chunks ch;  // over the tensor (kWhole, kSegments) or over one block (kBlocks)
   int p;
   int64_t align = 1;  // elements per 64 bytes
+  int64_t block_stride = 0;  // kBlocks: elements from block j to block j + 1 (0: ch.n)
 
   int64_t seg_begin(int64_t k, int j) const {
     switch (kind) {
       case Kind::kWhole: return ch.begin(k);
       case Kind::kSegments: return ch.begin(k) + std::min(j * seg_stride(k), ch.size(k));
-      case Kind::kBlocks: return j * ch.n + ch.begin(k);
+      case Kind::kBlocks: return j * (block_stride > 0 ? block_stride : ch.n) + ch.begin(k);
     }
     return 0;
   }
@@ -328,15 +335,15 @@ class DirectGatherTask : public MpiTask {
  public:
   DirectGatherTask(OpDesc what, std::vector<at::Tensor> tensors, const AlgoContext& c,
                    MPI_Datatype dt, int64_t esize, const char* in, char* out, int64_t n,
-                   int64_t chunk)
+                   int64_t stride, int64_t chunk)
       : MpiTask(std::move(what), std::move(tensors)), comm_(c.p2p), me_(c.rank), p_(c.size),
-        dt_(dt), esize_(esize), in_(in), out_(out), chunks_{n, chunk},
+        dt_(dt), esize_(esize), in_(in), out_(out), stride_(stride), chunks_{n, chunk},
         inflight_(std::max(1, c.chunks_in_flight)) {}
   void start() override {
     fill();
     // The local copy overlaps the transfers just issued.
-    if (out_ + me_ * chunks_.n * esize_ != in_) {
-      std::memcpy(out_ + me_ * chunks_.n * esize_, in_, static_cast<size_t>(chunks_.n * esize_));
+    if (out_ + me_ * stride_ * esize_ != in_) {
+      std::memcpy(out_ + me_ * stride_ * esize_, in_, static_cast<size_t>(chunks_.n * esize_));
     }
   }
   bool poll() override {
@@ -359,7 +366,7 @@ class DirectGatherTask : public MpiTask {
       for (int j = 0; j < p_; ++j) {
         if (j == me_) continue;
         MPI_Request r;
-        check_mpi(MPI_Irecv(out_ + (j * chunks_.n + b) * esize_, static_cast<int>(m), dt_, j, t,
+        check_mpi(MPI_Irecv(out_ + (j * stride_ + b) * esize_, static_cast<int>(m), dt_, j, t,
                             comm_, &r), what_);
         reqs.push_back(r);
         check_mpi(MPI_Isend(in_ + b * esize_, static_cast<int>(m), dt_, j, t, comm_, &r), what_);
@@ -374,6 +381,7 @@ class DirectGatherTask : public MpiTask {
   int64_t esize_;
   const char* in_;  // points into an owned tensor
   char* out_;
+  int64_t stride_;  // elements from rank j's block of out_ to rank j + 1's
   Chunks chunks_;
   int inflight_;
   int64_t next_ = 0;
@@ -409,35 +417,45 @@ std::unique_ptr<Task> make_all_reduce(const AlgoContext& c, OpDesc what, const a
 std::unique_ptr<Task> make_reduce_scatter(const AlgoContext& c, OpDesc what, const at::Tensor& in,
                                           const at::Tensor& out, ReduceOp op) {
   const int64_t n = out.numel();  // elements per rank
-  const int64_t es = in.element_size();
-  std::vector<at::Tensor> tensors{in, out};
+  return make_reduce_scatter_blocks(c, std::move(what), {in, out}, in.scalar_type(), ptr(in), ptr(out), n, n, op);
+}
+
+std::unique_ptr<Task> make_reduce_scatter_blocks(const AlgoContext& c, OpDesc what, std::vector<at::Tensor> keep,
+                                                 at::ScalarType dtype, char* in, char* out, int64_t n,
+                                                 int64_t stride, ReduceOp op) {
+  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   if (n == 0 || c.size == 1) {
     std::function<void()> fn;
     if (n > 0) {
       fn = [in, out, n, es] {
-        std::memcpy(out.data_ptr(), in.data_ptr(), static_cast<size_t>(n * es));
+        if (in != out) std::memmove(out, in, static_cast<size_t>(n * es));
       };
     }
-    return std::make_unique<LocalTask>(std::move(what), std::move(tensors), std::move(fn));
+    return std::make_unique<LocalTask>(std::move(what), std::move(keep), std::move(fn));
   }
-  const ReduceLayout layout{ReduceLayout::Kind::kBlocks,
-                            Chunks{n, chunk_elems(c.chunk_bytes, es, c.size)}, c.size};
-  return std::make_unique<DirectReduceTask>(std::move(what), std::move(tensors), c,
-                                            in.scalar_type(), op, ptr(in), ptr(out), layout,
+  ReduceLayout layout{ReduceLayout::Kind::kBlocks, Chunks{n, chunk_elems(c.chunk_bytes, es, c.size)}, c.size};
+  layout.block_stride = stride;
+  return std::make_unique<DirectReduceTask>(std::move(what), std::move(keep), c, dtype, op, in, out, layout,
                                             /*gather=*/false);
 }
 
 std::unique_ptr<Task> make_all_gather(const AlgoContext& c, OpDesc what, const at::Tensor& in,
                                       const at::Tensor& out) {
   const int64_t n = in.numel();
-  std::vector<at::Tensor> tensors{in, out};
-  if (n == 0) return std::make_unique<LocalTask>(std::move(what), std::move(tensors), nullptr);
-  // Nothing to overlap with a transfer here: one message per peer (as MPI's own algorithm for
+  return make_all_gather_blocks(c, std::move(what), {in, out}, in.scalar_type(), ptr(in), ptr(out), n, n);
+}
+
+std::unique_ptr<Task> make_all_gather_blocks(const AlgoContext& c, OpDesc what, std::vector<at::Tensor> keep,
+                                             at::ScalarType dtype, const char* in, char* out, int64_t n,
+                                             int64_t stride) {
+  if (n == 0) return std::make_unique<LocalTask>(std::move(what), std::move(keep), nullptr);
+  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  // Within a host nothing overlaps a transfer: one message per peer (as MPI's own algorithm for
   // shared memory) beat 1 MiB chunks by ~1.3x; pieces over 2^30 elements are still split.
-  return std::make_unique<DirectGatherTask>(std::move(what), std::move(tensors), c,
-                                            mpi_dtype(in.scalar_type()), in.element_size(),
-                                            ptr(in), ptr(out), n,
-                                            std::min<int64_t>(n, int64_t{1} << 30));
+  // Across hosts, chunks (see Note [Direct algorithms]).
+  const int64_t chunk = std::clamp<int64_t>(std::min<int64_t>(c.gather_chunk_bytes / es, int64_t{1} << 30), 1, n);
+  return std::make_unique<DirectGatherTask>(std::move(what), std::move(keep), c, mpi_dtype(dtype), es, in, out, n,
+                                            stride, chunk);
 }
 
 std::unique_ptr<Task> make_broadcast(const AlgoContext& c, OpDesc what, const at::Tensor& t,

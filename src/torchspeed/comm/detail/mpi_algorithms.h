@@ -49,8 +49,12 @@ struct AlgoContext {
   MPI_Comm coll = MPI_COMM_NULL;  // the communicator itself, for MPI's collectives
   int rank = 0, size = 1;
   int64_t chunk_bytes = 1 << 20;
+  int64_t segment_bytes = 1 << 20;  // staged collectives: see Note [Pipelined stages]
   int chunks_in_flight = 4;
   int64_t one_phase_bytes = 64 << 10;
+  // Largest piece of an all_gather sent as one message (Note [Direct algorithms]): whole pieces
+  // within a host, chunks of this many bytes (several in flight) when the group spans hosts.
+  int64_t gather_chunk_bytes = int64_t{1} << 62;
   std::shared_ptr<ScratchPool> scratch;
 };
 
@@ -61,6 +65,15 @@ std::unique_ptr<Task> make_reduce_scatter(const AlgoContext& c, OpDesc what,
                                           ReduceOp op);
 std::unique_ptr<Task> make_all_gather(const AlgoContext& c, OpDesc what, const at::Tensor& in,
                                       const at::Tensor& out);
+// The same over raw blocks inside the tensors of `keep` (which the task holds): rank j's block
+// of n elements starts j * stride elements after `in` (reduce_scatter) or `out` (all_gather).
+// The pipelined hierarchical collectives run them over a column range of a [ranks, c] layout.
+std::unique_ptr<Task> make_reduce_scatter_blocks(const AlgoContext& c, OpDesc what, std::vector<at::Tensor> keep,
+                                                 at::ScalarType dtype, char* in, char* out, int64_t n,
+                                                 int64_t stride, ReduceOp op);
+std::unique_ptr<Task> make_all_gather_blocks(const AlgoContext& c, OpDesc what, std::vector<at::Tensor> keep,
+                                             at::ScalarType dtype, const char* in, char* out, int64_t n,
+                                             int64_t stride);
 std::unique_ptr<Task> make_broadcast(const AlgoContext& c, OpDesc what, const at::Tensor& t,
                                      int root);
 std::unique_ptr<Task> make_barrier(const AlgoContext& c, OpDesc what);
