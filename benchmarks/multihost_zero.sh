@@ -65,6 +65,11 @@ for mode in $MODES; do
       --set zero_optimization.zero_quantized_weights=\$(case \$mode in (qwz|zeropp) echo true;; *) echo false;; esac) \
       >"$work/\$mode-\$steps.log" 2>&1 || { cat "$work/\$mode-\$steps.log"; exit 1; }
     sent >"$work/\$mode-\$steps.after"
+    # Each run ends by saving its checkpoint and model (1.3 GB for ZeRO-2): written back to disk
+    # while the next run trained, that slowed the next run's steps by up to 1.5 s. Keep only the
+    # metrics, and let the disk settle first.
+    rm -rf "$work/\$mode-\$steps/checkpoints" "$work/\$mode-\$steps/model"
+    sync
   done
 done
 INNER
@@ -88,10 +93,12 @@ def per_step(mode):
         b, a = read(f"{work}/{mode}-{s}.before"), read(f"{work}/{mode}-{s}.after")
         out[s] = {h: a[h] - b[h] for h in a}
     return {h: (out[s2][h] - out[s1][h]) / (s2 - s1) for h in out[s2]}
-def step_s(mode):
+def steps_s(mode):  # every step of the longer run but its first (start-up)
     rows = list(csv.DictReader(open(f"{work}/{mode}-{s2}/metrics.csv")))
     tokens = 4 * seq
-    return statistics.median(tokens / float(r["tokens_per_s"]) for r in rows[1:])
+    return [tokens / float(r["tokens_per_s"]) for r in rows[1:]]
+def step_s(mode):
+    return statistics.median(steps_s(mode))
 P = 4 * params
 f, q, g = (H - 1) / H, (1 + 4 / 2048) / 4, (0.5 + 4 / 128) / 4
 gathers = 1 if stage == 2 else 2  # parameter all-gathers per step
@@ -106,7 +113,7 @@ for mode in modes:
     res[mode] = (b, t)
     for h, v in sorted(b.items()):
         print(f"  {mode:6s} {h}: {v / 1e6:8.1f} MB per step on its link; formula {formula[mode] / 1e6:8.1f} MB ({v / formula[mode]:.3f}x)")
-    print(f"  {mode:6s} median step {t:.2f} s")
+    print(f"  {mode:6s} median step {t:.2f} s (steps {' '.join(f'{x:.2f}' for x in steps_s(mode))})")
 def ratio(a, b, what):
     if a in res and b in res:
         print(f"multihost zero{stage}: {what}: link bytes {min(res[b][0].values()) / max(res[a][0].values()):.3f}x; "
