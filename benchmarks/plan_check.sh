@@ -35,7 +35,9 @@ cat >"$work/base.json" <<JSON
   "train": {"steps": 1000, "eval_interval": 1000, "log_interval": 1, "checkpoint_interval": 0}
 }
 JSON
-# name ranks layout (plan's --layout); the train config follows from the layout.
+# name ranks layout (plan's --layout, and hpz=H, qgz=1, qwz=1 for ZeRO++'s
+# zero_hpz_partition_size, zero_quantized_gradients, zero_quantized_weights); the train config
+# follows from the layout.
 local_cases=(
   "dp2-z0-m8       2 dp=2,tp=1,pp=1,zero=0,micro=8,ckpt=0"
   "dp2-z1-m4       2 dp=2,tp=1,pp=1,zero=1,micro=4,ckpt=0"
@@ -51,6 +53,8 @@ local_cases=(
 host_cases=(
   "2h-dp4-z2-m4    4 dp=4,tp=1,pp=1,zero=2,micro=4,ckpt=0"
   "2h-dp2tp2-z1-m8 4 dp=2,tp=2,pp=1,zero=1,micro=8,ckpt=0"
+  "2h-dp4-z3-m4    4 dp=4,tp=1,pp=1,zero=3,micro=4,ckpt=0"
+  "2h-dp4-z3-zeropp 4 dp=4,tp=1,pp=1,zero=3,micro=4,ckpt=0,hpz=2,qgz=1,qwz=1"
 )
 
 # Runs one case: calibrates the machine for it, trains it, then plans it. This machine's speed
@@ -69,6 +73,9 @@ cfg["zero_optimization"]["stage"] = int(l["zero"])
 if int(l["tp"]) > 1: cfg["tensor_parallel"] = {"tp_size": int(l["tp"])}
 if int(l["pp"]) > 1: cfg["pipeline"] = {"stages": int(l["pp"])}
 if int(l["ckpt"]): cfg.setdefault("pipeline", {})["activation_checkpoint_interval"] = 1
+if "hpz" in l: cfg["zero_optimization"]["zero_hpz_partition_size"] = int(l["hpz"])
+if int(l.get("qgz", 0)): cfg["zero_optimization"]["zero_quantized_gradients"] = True
+if int(l.get("qwz", 0)): cfg["zero_optimization"]["zero_quantized_weights"] = True
 cfg["autotuning"]["metric_path"] = sys.argv[4]
 json.dump(cfg, open(sys.argv[3], "w"), indent=1)
 PY
@@ -77,7 +84,9 @@ PY
   else
     "$cli" train -c "$work/$name.json" -n "$ranks" --out "$work/$name" >"$work/$name.log" 2>&1
   fi || { cat "$work/$name.log"; return 1; }
-  "$cli" plan --cluster "$cluster" --config "$work/$name.json" --layout "$layout" --json "$work/$name.plan.json" >/dev/null
+  # ZeRO++'s options reach the plan through the config.
+  "$cli" plan --cluster "$cluster" --config "$work/$name.json" --layout "$(sed -E 's/,(hpz|qgz|qwz)=[0-9]+//g' <<<"$layout")" \
+    --json "$work/$name.plan.json" >/dev/null
   echo "$name" >>"$work/cases"
 }
 

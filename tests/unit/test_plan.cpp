@@ -269,6 +269,43 @@ TEST(Plan, GroupsThatStraddleNodesUseTheLink) {
   EXPECT_GT(slow_link.time.pp_comm, 2 * fast_link.time.pp_comm);
 }
 
+// ZeRO++ on 2 nodes of 4 at ZeRO-3 (dp 8, one micro-batch), the link the only cost: qgZ scales
+// the gradients' bytes across nodes by (1/2 + 4/128) / 4, qwZ the gathers' by (1 + 4/2048) / 4,
+// hpZ 4 keeps one of the two gathers on the node and holds a quarter of the parameters more.
+// (The links within a node are 1e9 times faster than the link: 1e-6 covers their share.)
+TEST(Plan, ZeroPlusPlusScalesTheBytesOnTheLink) {
+  const ModelSpec m{4, 256, 4, 128, 256, true};
+  const ClusterSpec c = cluster(2, 4, 1e12, 1e12, {1e18, 0.0}, {1e9, 0.0}, 1e9);
+  TrainingSpec t;
+  t.global_batch = 8;
+  t.overlap_comm = false;
+  const Layout l{8, 1, 1, 3, Offload::kNone, 1, 1, false};
+  auto with = [&](bool qg, bool qw, int h) {
+    TrainingSpec u = t;
+    u.quantized_gradients = qg;
+    u.quantized_weights = qw;
+    u.hpz_partition_size = h;
+    return estimate(m, c, u, l);
+  };
+  const Estimate base = with(false, false, 1), hpz = with(false, false, 4);
+  const double params = 2 * (base.time.dp_comm - hpz.time.dp_comm), grads = base.time.dp_comm - params;
+  EXPECT_NEAR(params, 2 * grads, 1e-6 * params);  // two fp32 gathers, one fp32 reduce-scatter
+  const double qg = (0.5 + 4.0 / 128) / 4, qw = (1 + 4.0 / 2048) / 4;
+  EXPECT_NEAR(with(true, false, 1).time.dp_comm, qg * grads + params, 1e-6 * params);
+  EXPECT_NEAR(with(false, true, 1).time.dp_comm, grads + qw * params, 1e-6 * params);
+  EXPECT_NEAR(with(true, true, 4).time.dp_comm, qg * grads + qw * params / 2, 1e-6 * params);
+  EXPECT_NEAR(hpz.memory.params, base.memory.params * (1 + 8.0 / 4), 1e-9 * base.memory.params);
+  // Below stage 3 only qgZ applies (stage 2), and nothing at stage 1.
+  const Layout z2{8, 1, 1, 2, Offload::kNone, 1, 1, false}, z1{8, 1, 1, 1, Offload::kNone, 1, 1, false};
+  TrainingSpec all = t;
+  all.quantized_gradients = all.quantized_weights = true;
+  all.hpz_partition_size = 4;
+  EXPECT_LT(estimate(m, c, all, z2).time.dp_comm, estimate(m, c, t, z2).time.dp_comm);
+  EXPECT_EQ(estimate(m, c, all, z1).time.dp_comm, estimate(m, c, t, z1).time.dp_comm);
+  all.hpz_partition_size = 3;
+  EXPECT_NE(check_layout(m, c, all, l).find("zero_hpz_partition_size 3 must divide dp 8"), std::string::npos);
+}
+
 TEST(Plan, LayoutsTheEngineRefusesAreNamed) {
   const ModelSpec m{4, 256, 4, 128, 256, true};
   const ClusterSpec c = cluster(1, 4, 1e12, 1e12, {1e11, 1e-6}, {}, 1e9);

@@ -296,6 +296,10 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
       t.reduce_bucket_size = static_cast<int64_t>(number(z, "zero_optimization.", "reduce_bucket_size", 5e8));
       t.prefetch_bucket_size = static_cast<int64_t>(number(z, "zero_optimization.", "stage3_prefetch_bucket_size", 5e7));
       if (z.contains("overlap_comm")) t.overlap_comm = flag(z, "zero_optimization.", "overlap_comm", false);
+      t.quantized_gradients = flag(z, "zero_optimization.", "zero_quantized_gradients", false);
+      t.quantized_weights = flag(z, "zero_optimization.", "zero_quantized_weights", false);
+      t.hpz_partition_size = static_cast<int>(number(z, "zero_optimization.", "zero_hpz_partition_size", 1));
+      TS_CHECK(t.hpz_partition_size >= 1, o->config, ": zero_optimization.zero_hpz_partition_size must be >= 1, not ", t.hpz_partition_size);
       // The scores are stored unless the fused kernel runs: fp32 without attention dropout
       // (Note [Causal attention] in models/gpt.cpp).
       t.flash_attention = !t.bf16 && gpt.dropout == 0.0;

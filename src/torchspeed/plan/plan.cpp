@@ -208,7 +208,7 @@ ComputePoint compute_rate(const ClusterSpec& c, int64_t tokens, int64_t hidden, 
 // ranks spaced `stride` ranks apart (from rank 0; ranks fill nodes in order), hierarchical
 // across nodes: within each node, then one exchange per node over its link, which the node's
 // other groups use at the same time.
-double collective(const ClusterSpec& c, double bytes, int n, int stride, bool all_reduce) {
+double collective(const ClusterSpec& c, double bytes, int n, int stride, bool all_reduce, double inter_scale = 1.0) {
   if (n <= 1) return 0;
   const int dpn = c.devices_per_node;
   std::vector<int> per_node;
@@ -228,7 +228,7 @@ double collective(const ClusterSpec& c, double bytes, int n, int stride, bool al
   if (hosts > 1) {
     TS_CHECK(c.inter.bandwidth > 0, "plan: the layout crosses nodes but cluster.inter is not given");
     const double sharing = std::max(1.0, static_cast<double>(dpn) / local);  // the node's groups share its link
-    t += passes * (c.inter.latency * (hosts - 1) + sharing * (hosts - 1.0) / hosts * bytes / c.inter.bandwidth);
+    t += passes * (c.inter.latency * (hosts - 1) + sharing * (hosts - 1.0) / hosts * bytes * inter_scale / c.inter.bandwidth);
   }
   return t;
 }
@@ -250,6 +250,8 @@ std::string check_layout(const ModelSpec& m, const ClusterSpec& c, const Trainin
   if (l.zero >= 2 && l.pp > 1) return "ZeRO stages 2-3 do not combine with a pipeline (as in DeepSpeed)";
   if (l.offload != Offload::kNone && l.zero == 0) return "offload needs ZeRO stage 1-3";
   if (l.offload == Offload::kOptimizerAndParams && l.zero != 3) return "parameter offload needs ZeRO stage 3";
+  if (l.zero == 3 && t.hpz_partition_size > 1 && l.dp % t.hpz_partition_size)
+    return concat("zero_hpz_partition_size ", t.hpz_partition_size, " must divide dp ", l.dp);
   if (t.global_batch % (static_cast<int64_t>(l.dp) * l.micro)) return concat("the batch ", t.global_batch, " is not a multiple of dp x micro");
   if (l.accumulation != t.global_batch / (l.dp * l.micro)) return concat("accumulation must be batch / (dp x micro) = ", t.global_batch / (l.dp * l.micro));
   return "";
@@ -279,6 +281,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
     const Stage& st = stages[si];
     psi = std::max(psi, st.params);
     Memory mem = model_states(st.params, l.zero, l.dp, t.bf16, l.offload, t.grad_bytes);
+    // hpZ: the secondary partition, 1/h of every gathered layer (Note [Hierarchical partitioning]).
+    if (l.zero == 3 && t.hpz_partition_size > 1) mem.params += pb * st.params / t.hpz_partition_size;
     // 1F1B: stage s holds min(pp - s, m) micro-batches' activations.
     const double in_flight = std::min<double>(static_cast<double>(l.pp - static_cast<int>(si)), static_cast<double>(mb));
     mem.activations = in_flight * static_cast<double>(st.blocks) * block_kept + (st.head ? head : 0.0) +
@@ -338,6 +342,12 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
   }
   const int stride = l.tp;
   double grad_comm = 0, param_comm = 0;
+  // ZeRO++: qgZ's bytes across nodes per fp32 byte (4-bit blocks of 128 with an fp32 scale);
+  // qwZ's int8 blocks of 2048 with an fp32 scale per parameter; hpZ's group.
+  const double qg = l.zero >= 2 && t.quantized_gradients ? (0.5 + 4.0 / 128) / g : 1.0;
+  const bool qw = l.zero == 3 && t.quantized_weights;
+  const int hpz = l.zero == 3 && t.hpz_partition_size > 1 ? t.hpz_partition_size : 1;
+  const double gather_bytes = qw ? psi * (1.0 + 4.0 / 2048) : psi * pb;
   switch (l.zero) {
     case 0: grad_comm = collective(c, psi * g, l.dp, stride, true); break;
     case 1:
@@ -345,12 +355,16 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
       param_comm = collective(c, psi * pb, l.dp, stride, false);
       break;
     case 2:
-      grad_comm = static_cast<double>(mb) * collective(c, psi * g, l.dp, stride, false);
+      grad_comm = static_cast<double>(mb) * collective(c, psi * g, l.dp, stride, false, qg);
       param_comm = collective(c, psi * pb, l.dp, stride, false);
       break;
     default:
-      grad_comm = static_cast<double>(mb) * collective(c, psi * g, l.dp, stride, false);
-      param_comm = static_cast<double>(mb) * 2 * collective(c, psi * pb, l.dp, stride, false);
+      grad_comm = static_cast<double>(mb) * collective(c, psi * g, l.dp, stride, false, qg);
+      // Each micro-batch gathers every layer for forward and again for backward; with hpZ only
+      // the step's first gather spans the data-parallel group.
+      param_comm = hpz > 1 ? collective(c, gather_bytes, l.dp, stride, false) +
+                                 (2.0 * static_cast<double>(mb) - 1) * collective(c, gather_bytes, hpz, stride, false)
+                           : static_cast<double>(mb) * 2 * collective(c, gather_bytes, l.dp, stride, false);
   }
   // Stages 0-1 reduce once, during the last micro-batch's backward; stages 2-3 during each.
   const double backward = e.time.compute * 2.0 / 3.0 / (l.zero <= 1 ? static_cast<double>(mb) : 1.0);
