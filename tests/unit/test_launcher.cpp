@@ -101,7 +101,6 @@ TEST(LaunchCommand, OneRankGetsEveryCore) {
   auto argv = build_command(o, ctx(false, 4));
   EXPECT_TRUE(contains(argv, {"-np", "1"}));
   EXPECT_TRUE(contains(argv, {"--map-by", "slot:PE=4"}));
-  EXPECT_FALSE(contains(argv, {"--mca", "btl_tcp_links", "2"}));  // one host: no TCP between ranks
 }
 
 TEST(LaunchCommand, HostfileBecomesHostList) {
@@ -118,11 +117,6 @@ TEST(LaunchCommand, HostfileBecomesHostList) {
   EXPECT_TRUE(contains(argv, {"-x", "TORCHSPEED_COMM_TIMEOUT_S"}));
   EXPECT_TRUE(contains(argv, {"-x", "FOO=1"}));
   EXPECT_TRUE(contains(argv, {"-x", "PATH", "-x", "LD_LIBRARY_PATH"}));
-  // Note [TCP links]: two connections per pair of ranks across hosts, unless the user set it.
-  EXPECT_TRUE(contains(argv, {"--mca", "btl_tcp_links", "2"}));
-  c.tcp_links_set = true;
-  EXPECT_FALSE(contains(build_command(o, c), {"--mca", "btl_tcp_links", "2"}));
-  c.tcp_links_set = false;
   o.extra_env = {"NOEQUALS"};
   expect_error([&] { build_command(o, c); }, "must be NAME=VALUE");
   LaunchOptions none;

@@ -146,7 +146,6 @@ LaunchContext LaunchContext::current() {
   ctx.is_root = geteuid() == 0;
   ctx.local_cores = cpu::features().logical_cores;
   ctx.openblas_coretype = cpu::recommended_openblas_coretype();
-  ctx.tcp_links_set = std::getenv("OMPI_MCA_btl_tcp_links") != nullptr;
   for (char** e = environ; *e; ++e) {
     std::string kv(*e);
     std::string name = kv.substr(0, kv.find('='));
@@ -205,16 +204,6 @@ std::vector<std::string> build_command(const LaunchOptions& o, const LaunchConte
     argv.insert(argv.end(), {"-x", kv});
   }
   if (multi_node) argv.insert(argv.end(), {"-x", "PATH", "-x", "LD_LIBRARY_PATH"});
-  // Note [TCP links]
-  // Between hosts OpenMPI's TCP transport opens one connection per pair of ranks. A staged
-  // collective (Note [Hierarchical collectives]) sends across hosts from one rank per local
-  // index to one peer per host, so few connections carry the whole link's load, and one TCP
-  // flow did not fill a link: 2 hosts x 2 ranks, 1 Gbit/s link shaped with tc tbf, 85M fp32
-  // elements reduce-scattered or all-gathered in 5 collectives (1.36 s on the link alone):
-  // staged 1.61-1.91 s with one connection per pair, 1.45-1.48 s with 2 or 4; flat (4
-  // connections per host already) 2.86-3.11 s either way. So a job across hosts gets 2, unless
-  // the user chose (OMPI_MCA_btl_tcp_links in the environment wins over this default).
-  if (multi_node && !ctx.tcp_links_set) argv.insert(argv.end(), {"--mca", "btl_tcp_links", "2"});
   argv.insert(argv.end(), o.program.begin(), o.program.end());
   return argv;
 }

@@ -44,7 +44,6 @@ struct LaunchContext {
   int local_cores = 1;
   std::string openblas_coretype;     // value to export when not already set, or ""
   std::vector<std::string> env_names;  // names of TORCHSPEED_*/OPENBLAS_*/OMP_* vars to pass on
-  bool tcp_links_set = false;          // OMPI_MCA_btl_tcp_links is set (Note [TCP links])
   static LaunchContext current();
 };
 
