@@ -58,6 +58,10 @@ sent() {  # bytes each host has sent on its link so far, "host bytes" lines
     echo "\${link%%:*} \$(ip netns exec "\${link%%:*}" cat /sys/class/net/\${link#*:}/statistics/tx_bytes)"
   done
 }
+# Two TCP connections per pair of ranks for every mode: one flow did not fill the link (340 MB
+# staged in 5 collectives took 1.61-1.91 s with one connection per pair, 1.45-1.48 s with 2 or 4,
+# where the link alone needs 1.36 s; flat 2.86-3.11 s either way).
+export OMPI_MCA_btl_tcp_links=\${OMPI_MCA_btl_tcp_links:-2}
 for mode in $MODES; do
   for steps in $S1 $S2; do
     sent >"$work/\$mode-\$steps.before"
