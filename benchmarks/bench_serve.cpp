@@ -333,9 +333,9 @@ double val_loss(const checkpoint::Model& m, inference::WeightFormat f, int windo
   const auto& c = model.config();
   const data::TextCorpus corpus = data::TextCorpus::load(data::kDefaultCorpus, 0.1, c.seq_len + 1);
   const auto kvo = inference::KVCacheOptions().block_size(16).dtype(inference::default_kv_dtype(f));  // as serve's auto
-  inference::KVCache cache(c.n_layer, model.local_heads(), model.head_dim(),
+  inference::KVCache cache(c.n_layer, model.local_kv_heads(), model.head_dim(),
                            inference::KVCacheOptions(kvo).budget_mb(
-                               static_cast<double>(inference::KVCache::bytes_per_block(c.n_layer, model.local_heads(), model.head_dim(), kvo) *
+                               static_cast<double>(inference::KVCache::bytes_per_block(c.n_layer, model.local_kv_heads(), model.head_dim(), kvo) *
                                                    inference::blocks_for(c.seq_len, 16)) / 1048576.0 + 0.01));
   std::vector<int32_t> table;
   for (int64_t b = 0; b < inference::blocks_for(c.seq_len, 16); ++b) table.push_back(static_cast<int32_t>(b));
@@ -434,7 +434,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
     inference::InferenceModel ours(loaded, inference::WeightFormat::kFP32);
     nlohmann::json logits = nlohmann::json::array();
     for (const auto& s : seqs) {
-      inference::KVCache cache(g.n_layer, ours.local_heads(), ours.head_dim(), inference::KVCacheOptions().block_size(16).budget_mb(16));
+      inference::KVCache cache(g.n_layer, ours.local_kv_heads(), ours.head_dim(), inference::KVCacheOptions().block_size(16).budget_mb(16));
       std::vector<int32_t> table;
       for (int32_t b = 0; b < 8; ++b) table.push_back(b);
       inference::StepPlan p;

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     at::Tensor train = stack->forward(x).squeeze(0).to(at::kFloat).contiguous();
 
     ts::inference::InferenceModel serving(model, ts::inference::WeightFormat::kFP32);
-    ts::inference::KVCache cache(gpt.n_layer, gpt.n_head, gpt.d_model / gpt.n_head,
+    ts::inference::KVCache cache(gpt.n_layer, gpt.kv_heads(), gpt.hd(),
                                  ts::inference::KVCacheOptions().block_size(16).budget_mb(64).dtype(at::kFloat));
     std::vector<int32_t> blocks;
     for (int64_t b = 0; b < ts::inference::blocks_for(T, 16); ++b) blocks.push_back(static_cast<int32_t>(b));

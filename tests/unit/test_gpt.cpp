@@ -71,6 +71,133 @@ TEST(GPT, BlockMatchesAWrittenOutComputationWithGradients) {
   }
 }
 
+namespace {
+// A Llama / Qwen3 block spelled out: RMSNorm, rotary positions as a rotation of each pair (i,
+// i + hd/2) by position x theta^(-2i/hd) (angles in double), grouped-query heads looping over
+// their KV head, optional per-head q/k RMSNorm, SwiGLU; no torch::nn module involved.
+at::Tensor reference_llama_block(GPTBlock& b, const at::Tensor& x, const GPTConfig& c) {
+  auto rms = [&](const at::Tensor& v, const at::Tensor& w) {
+    return v / (v.pow(2).mean(-1, true) + c.layer_norm_eps).sqrt() * w;
+  };
+  const int64_t T = x.size(1), d = x.size(2), H = c.n_head, KV = c.kv_heads(), hd = c.hd(), half = hd / 2;
+  std::vector<double> angle_cos, angle_sin;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = static_cast<double>(t) * std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(hd));
+      angle_cos.push_back(std::cos(a));
+      angle_sin.push_back(std::sin(a));
+    }
+  }
+  const at::Tensor cs = at::tensor(angle_cos, at::kDouble).view({T, half}).to(at::kFloat);
+  const at::Tensor sn = at::tensor(angle_sin, at::kDouble).view({T, half}).to(at::kFloat);
+  auto rotate = [&](const at::Tensor& v) {  // [B, T, hd]
+    const at::Tensor a = v.narrow(2, 0, half), bb = v.narrow(2, half, half);
+    return at::cat({a * cs - bb * sn, a * sn + bb * cs}, 2);
+  };
+  at::Tensor h = rms(x, b->ln1->weight);
+  at::Tensor qkv = at::matmul(h, b->qkv->weight.t());
+  std::vector<at::Tensor> heads;
+  for (int64_t head = 0; head < H; ++head) {
+    const int64_t g = head / (H / KV);
+    at::Tensor q = qkv.narrow(2, head * hd, hd), k = qkv.narrow(2, H * hd + g * hd, hd);
+    at::Tensor v = qkv.narrow(2, (H + KV) * hd + g * hd, hd);
+    if (c.qk_norm) {
+      q = rms(q, b->q_norm->weight);
+      k = rms(k, b->k_norm->weight);
+    }
+    q = rotate(q), k = rotate(k);
+    at::Tensor scores = at::matmul(q, k.transpose(1, 2)) / std::sqrt(static_cast<double>(hd));
+    scores = at::where(at::ones({T, T}).tril().to(at::kBool), scores, at::full({}, -1e30));
+    heads.push_back(at::matmul(scores.softmax(-1), v));
+  }
+  at::Tensor r = x + at::matmul(at::cat(heads, 2), b->attn_proj->weight.t());
+  at::Tensor f = at::matmul(rms(r, b->ln2->weight), b->fc->weight.t());
+  const int64_t ff = f.size(2) / 2;
+  const at::Tensor gate = f.narrow(2, 0, ff), up = f.narrow(2, ff, ff);
+  return r + at::matmul(gate * at::sigmoid(gate) * up, b->mlp_proj->weight.t());
+  (void)d;
+}
+
+GPTConfig llama_small() {
+  GPTConfig c = small();
+  c.norm = "rmsnorm", c.positions = "rope", c.activation = "swiglu", c.n_kv_head = 1, c.d_ff = 40;
+  c.qkv_bias = c.attn_out_bias = c.mlp_bias = false, c.rope_theta = 10000;
+  return c;
+}
+}  // namespace
+
+TEST(GPT, LlamaAndQwen3BlocksMatchAWrittenOutComputationWithGradients) {
+  for (bool qk_norm : {false, true}) {
+    torch::manual_seed(2);
+    GPTConfig c = llama_small();
+    c.qk_norm = qk_norm;
+    if (qk_norm) c.head_dim = 16;  // Qwen3: a head width of its own (3 x 16 != 24)
+    GPTBlock block(c);
+    {
+      torch::NoGradGuard g;
+      for (auto& p : block->parameters()) p.add_(at::randn_like(p) * 0.1);  // norms away from 1
+    }
+    EXPECT_EQ(block->qkv->weight.size(0), (c.n_head + 2 * c.kv_heads()) * c.hd());
+    EXPECT_FALSE(block->qkv->bias.defined());
+    at::Tensor x = torch::randn({2, 9, c.d_model}, torch::requires_grad());
+    at::Tensor g = at::randn({2, 9, c.d_model});
+    auto inputs = block->parameters();
+    inputs.push_back(x);
+    at::Tensor ref = reference_llama_block(block, x, c);
+    auto ref_grads = torch::autograd::grad({ref}, inputs, {g});
+    at::Tensor got = block->forward(x);
+    auto got_grads = torch::autograd::grad({got}, inputs, {g});
+    EXPECT_TRUE(at::allclose(got, ref, 1e-5, 1e-5)) << "qk_norm " << qk_norm << ": "
+                                                    << (got - ref).abs().max().item<double>();
+    ASSERT_EQ(got_grads.size(), ref_grads.size());
+    for (size_t i = 0; i < got_grads.size(); ++i) {
+      EXPECT_TRUE(at::allclose(got_grads[i], ref_grads[i], 1e-4, 1e-5))
+          << "qk_norm " << qk_norm << " gradient " << i << ": " << (got_grads[i] - ref_grads[i]).abs().max().item<double>();
+    }
+  }
+}
+
+TEST(GPT, TheDescriptionRoundTripsThroughJsonAndCountsParameters) {
+  GPTConfig c = llama_small();
+  c.qk_norm = true, c.head_dim = 16, c.tie_embeddings = false;
+  c.rope_scaling.type = "yarn", c.rope_scaling.factor = 4, c.rope_scaling.original_max_position_embeddings = 8;
+  const GPTConfig back = GPTConfig::from_json(c.to_json());
+  EXPECT_EQ(back.to_json(), c.to_json());
+  EXPECT_TRUE(back.rope_scaling == c.rope_scaling);
+  torch::manual_seed(3);
+  auto model = make_gpt(c);
+  int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  EXPECT_EQ(n, c.num_params());
+  // GPT-2's section has none of the new keys: old checkpoints' configs read as before.
+  EXPECT_FALSE(small().to_json().contains("norm"));
+  EXPECT_THROW(GPTConfig::from_json({{"norm", "batchnorm"}}), std::exception);
+  EXPECT_THROW(GPTConfig::from_json({{"n_head", 4}, {"n_kv_head", 3}, {"d_model", 32}}), std::exception);
+  EXPECT_THROW(GPTConfig::from_json({{"positions", "rope"}, {"rope_scaling", {{"type", "dynamic"}}}}), std::exception);
+}
+
+// Rotary tables as transformers computes them for each scaling: spot values from the formulas.
+TEST(GPT, RopeTablesFollowEachScaling) {
+  GPTConfig c = llama_small();
+  c.head_dim = 8, c.seq_len = 64, c.rope_theta = 10000;
+  const RopeTables plain = rope_tables(c, 64);
+  EXPECT_NEAR(plain.cos[5][1].item<double>(), std::cos(5 * std::pow(10000.0, -2.0 / 8)), 1e-6);
+  GPTConfig lin = c;
+  lin.rope_scaling.type = "linear", lin.rope_scaling.factor = 2;
+  EXPECT_NEAR(rope_tables(lin, 64).sin[6][1].item<double>(), std::sin(3 * std::pow(10000.0, -2.0 / 8)), 1e-6);
+  // llama3 with an original context of 64: wavelengths above 64 (low_freq_factor 1) are scaled
+  // by 1/factor, those below 64/4 kept (2 pi: kept; 2 pi 10^3: scaled).
+  GPTConfig l3 = c;
+  l3.rope_scaling.type = "llama3", l3.rope_scaling.factor = 8, l3.rope_scaling.original_max_position_embeddings = 64;
+  const RopeTables t = rope_tables(l3, 64);
+  EXPECT_NEAR(t.cos[7][0].item<double>(), std::cos(7.0), 1e-6);                            // wavelength 2 pi: kept
+  EXPECT_NEAR(t.cos[7][3].item<double>(), std::cos(7 * std::pow(10000.0, -6.0 / 8) / 8), 1e-6);  // scaled
+  // yarn: cos and sin scaled by 0.1 ln(factor) + 1.
+  GPTConfig y = c;
+  y.rope_scaling.type = "yarn", y.rope_scaling.factor = 4, y.rope_scaling.original_max_position_embeddings = 16;
+  EXPECT_NEAR(rope_tables(y, 64).cos[0][0].item<double>(), 0.1 * std::log(4.0) + 1, 1e-6);
+}
+
 TEST(GPT, IsCausalTiedAndCountsItsParameters) {
   torch::manual_seed(1);
   GPTConfig c = small();

@@ -37,7 +37,7 @@ struct Fixture {
   models::GPTConfig cfg = small_cfg();
   nn::LayerStack stack{nullptr};
   checkpoint::Model model;
-  Fixture() {
+  explicit Fixture(const models::GPTConfig& c = small_cfg()) : cfg(c) {
     torch::manual_seed(7);
     stack = models::make_gpt(cfg);
     {
@@ -100,10 +100,57 @@ TEST(KVCache, SlotsFollowTheBlockTable) {
   EXPECT_LE(cache.bytes(), 1 << 20);
 }
 
+namespace {
+// The families' variants of the description (models/gpt.h), each small.
+std::vector<std::pair<std::string, models::GPTConfig>> family_cfgs() {
+  std::vector<std::pair<std::string, models::GPTConfig>> out{{"gpt2", small_cfg()}};
+  models::GPTConfig llama = small_cfg();
+  llama.norm = "rmsnorm", llama.positions = "rope", llama.activation = "swiglu", llama.n_kv_head = 2;
+  llama.d_ff = 96, llama.qkv_bias = llama.attn_out_bias = llama.mlp_bias = false, llama.tie_embeddings = false;
+  llama.rope_theta = 500000;
+  llama.rope_scaling.type = "llama3", llama.rope_scaling.factor = 8, llama.rope_scaling.original_max_position_embeddings = 16;
+  out.push_back({"llama3", llama});
+  models::GPTConfig qwen2 = llama;
+  qwen2.qkv_bias = true, qwen2.rope_scaling = {}, qwen2.rope_scaling.type = "yarn", qwen2.rope_scaling.factor = 4;
+  qwen2.rope_scaling.original_max_position_embeddings = 16, qwen2.n_kv_head = 1;
+  out.push_back({"qwen2", qwen2});
+  models::GPTConfig qwen3 = llama;
+  qwen3.qk_norm = true, qwen3.head_dim = 32, qwen3.rope_scaling = {}, qwen3.tie_embeddings = true;
+  out.push_back({"qwen3", qwen3});
+  return out;
+}
+}  // namespace
+
+// The paged forward of every family (rotary positions written into the cache, grouped-query
+// heads reading their KV head, RMSNorm, SwiGLU, q/k norms) equals the training stack's forward.
+TEST(InferenceModel, PagedForwardMatchesTheTrainingModelForEveryFamily) {
+  for (const auto& [name, cfg] : family_cfgs()) {
+    Fixture f(cfg);
+    InferenceModel m(f.model, WeightFormat::kFP32);
+    EXPECT_EQ(m.local_kv_heads(), cfg.kv_heads()) << name;
+    KVCache cache(cfg.n_layer, m.local_kv_heads(), m.head_dim(), KVCacheOptions().block_size(8).budget_mb(1));
+    const auto toks = prompt_of(5, 48);
+    const at::Tensor ref = f.reference(toks);
+    std::vector<int32_t> table{3, 1, 6, 0, 4, 2};
+    std::vector<at::Tensor> got;
+    StepPlan prompt;
+    prompt.seqs.push_back({0, std::vector<int64_t>(toks.begin(), toks.begin() + 20), table, true, true});
+    got.push_back(m.forward(prompt, cache));
+    for (int64_t pos = 20; pos < 48; ++pos) {
+      StepPlan plan;
+      plan.seqs.push_back({pos, {toks[static_cast<size_t>(pos)]}, table, false, true});
+      got.push_back(m.forward(plan, cache));
+    }
+    const at::Tensor all = at::cat(got, 0);
+    EXPECT_GT((ref.max() - ref.min()).item<double>(), 1.0) << name;
+    EXPECT_LT((all - ref).abs().max().item<double>(), 1e-4) << name;
+  }
+}
+
 TEST(InferenceModel, PagedForwardMatchesTheTrainingModel) {
   Fixture f;
   InferenceModel m(f.model, WeightFormat::kFP32);
-  KVCache cache(f.cfg.n_layer, m.local_heads(), m.head_dim(), KVCacheOptions().block_size(8).budget_mb(1));
+  KVCache cache(f.cfg.n_layer, m.local_kv_heads(), m.head_dim(), KVCacheOptions().block_size(8).budget_mb(1));
   const auto toks = prompt_of(3, 40);
   const at::Tensor ref = f.reference(toks);
   // Scattered blocks, prompt in chunks of 13, 1, 6, then the rest token by token.
@@ -135,11 +182,11 @@ TEST(InferenceModel, Bf16KVCacheDecodeMatchesPromptAttention) {
   EXPECT_EQ(KVCache::bytes_per_block(2, 4, 12, kvo) * 2, KVCache::bytes_per_block(2, 4, 12, KVCacheOptions().block_size(8)));
   const auto toks = prompt_of(5, 40);
   const std::vector<int32_t> table{3, 8, 1, 6, 4};
-  KVCache whole_cache(f.cfg.n_layer, m.local_heads(), m.head_dim(), kvo);
+  KVCache whole_cache(f.cfg.n_layer, m.local_kv_heads(), m.head_dim(), kvo);
   StepPlan whole;
   whole.seqs.push_back({0, toks, table, true, true});
   const at::Tensor prompt = m.forward(whole, whole_cache);
-  KVCache cache(f.cfg.n_layer, m.local_heads(), m.head_dim(), kvo);
+  KVCache cache(f.cfg.n_layer, m.local_kv_heads(), m.head_dim(), kvo);
   std::vector<at::Tensor> got;
   for (int64_t pos = 0; pos < 40; ++pos) {
     StepPlan plan;
@@ -158,7 +205,7 @@ TEST(InferenceModel, Bf16KVCacheDecodeMatchesPromptAttention) {
 TEST(InferenceModel, RefusesTensorsThatAreNotAGPTs) {
   Fixture f;
   f.model.params.emplace_back("block9.extra", at::zeros({2}));
-  ts_test::expect_error([&] { InferenceModel m(f.model, WeightFormat::kFP32); }, "\"block9.extra\" is not part of a GPT");
+  ts_test::expect_error([&] { InferenceModel m(f.model, WeightFormat::kFP32); }, "\"block9.extra\" is not part of a model with config");
 }
 
 TEST(ServingLinear, CompactWeightsAndBatchInvariantRows) {
@@ -336,7 +383,7 @@ TEST(DecodeAttention, MatchesAReferenceForEveryHeadDimAndLength) {
         std::vector<DecodeAttentionItem> items;
         for (int64_t s = 0; s < 2; ++s) items.push_back({q[s].data_ptr<float>(), slots.data_ptr<int64_t>(), L, out[s].data_ptr<float>()});
         const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-        decode_attention(items.data(), 2, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16, heads, hd, scale);
+        decode_attention(items.data(), 2, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16, heads, heads, hd, scale);
         const at::Tensor K = keys.index_select(0, slots).to(at::kDouble).permute({1, 0, 2});  // [H, L, hd]
         const at::Tensor V = values.index_select(0, slots).to(at::kDouble).permute({1, 0, 2});
         for (int64_t s = 0; s < 2; ++s) {
@@ -348,6 +395,26 @@ TEST(DecodeAttention, MatchesAReferenceForEveryHeadDimAndLength) {
     }
   }
   at::set_num_threads(threads);
+}
+
+TEST(DecodeAttention, GroupedQueryHeadsReadTheirGroupsKVHead) {
+  torch::manual_seed(10);
+  const int64_t heads = 6, kv_heads = 2, hd = 64, slots_n = 40, L = 37;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor keys = at::randn({slots_n, kv_heads, hd}).to(dtype), values = at::randn({slots_n, kv_heads, hd}).to(dtype);
+    const at::Tensor slots = at::randperm(slots_n, at::kLong).narrow(0, 0, L).contiguous();
+    const at::Tensor q = at::randn({heads, hd});
+    at::Tensor out = at::full({heads, hd}, std::numeric_limits<float>::quiet_NaN());
+    DecodeAttentionItem item{q.data_ptr<float>(), slots.data_ptr<int64_t>(), L, out.data_ptr<float>()};
+    const float scale = 0.125f;
+    decode_attention(&item, 1, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16, heads, kv_heads, hd, scale);
+    // Hugging Face's repeat_kv: query head h uses KV head h / (heads / kv_heads).
+    const at::Tensor K = keys.index_select(0, slots).to(at::kDouble).permute({1, 0, 2}).repeat_interleave(heads / kv_heads, 0);
+    const at::Tensor V = values.index_select(0, slots).to(at::kDouble).permute({1, 0, 2}).repeat_interleave(heads / kv_heads, 0);
+    const at::Tensor att = at::matmul(K, q.to(at::kDouble).unsqueeze(2)).squeeze(2) * scale;
+    const at::Tensor ref = at::matmul(att.softmax(-1).unsqueeze(1), V).squeeze(1);
+    EXPECT_LT((out.to(at::kDouble) - ref).abs().max().item<double>(), 2e-6);
+  }
 }
 
 TEST(Sampler, Rules) {

@@ -2,9 +2,10 @@
 // of a sharded training checkpoint in one safetensors file (DeepSpeed's zero_to_fp32), with the
 // model's parameter names and the training config in its metadata (so `torchspeed generate`
 // can load the file alone).
-// `torchspeed convert CHECKPOINT --format hf --to DIR`: a Hugging Face GPT-2 folder
-// (config.json, model.safetensors with transformers' names and Conv1D layout, the tokenizer's
-// files) that transformers' GPT2LMHeadModel.from_pretrained(DIR) loads.
+// `torchspeed convert CHECKPOINT --format hf --to DIR`: a Hugging Face folder of the model's
+// family (config.json, model.safetensors with transformers' names and layouts, the tokenizer's
+// files) that transformers' AutoModelForCausalLM.from_pretrained(DIR) loads: GPT-2, or Llama /
+// Mistral / Qwen2 / Qwen3 for a model with rotary positions.
 #include <ATen/ATen.h>
 
 #include <cstdio>
@@ -18,7 +19,7 @@
 namespace torchspeed::cli {
 
 Runner add_convert(CLI::App& app) {
-  auto* cmd = app.add_subcommand("convert", "Consolidate a training checkpoint into one model.safetensors, or a Hugging Face GPT-2 folder");
+  auto* cmd = app.add_subcommand("convert", "Consolidate a training checkpoint into one model.safetensors, or a Hugging Face folder");
   struct Opts {
     std::string checkpoint, to, dtype = "fp32", format = "safetensors", tokenizer;
   };
@@ -26,7 +27,7 @@ Runner add_convert(CLI::App& app) {
   cmd->add_option("checkpoint", o->checkpoint,
                   "A training checkpoint (a tag folder, or one with `latest`), a run folder or a model folder")->required();
   cmd->add_option("--to", o->to, "Output: a .safetensors file, or with --format hf a folder")->required();
-  cmd->add_option("--format", o->format, "safetensors (torchspeed's names, config in the metadata) or hf (GPT-2 for transformers)")
+  cmd->add_option("--format", o->format, "safetensors (torchspeed's names, config in the metadata) or hf (the model's Hugging Face family)")
       ->check(CLI::IsMember({"safetensors", "hf"}));
   cmd->add_option("--tokenizer", o->tokenizer, "With --format hf: the tokenizer to copy beside the model (default: the model's own)");
   cmd->add_option("--dtype", o->dtype, "Output dtype")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
@@ -42,9 +43,20 @@ Runner add_convert(CLI::App& app) {
       const auto tok = data::tokenizer_of_model(o->checkpoint, model, o->tokenizer);
       const bool bytes = tok->source() == "bytes";
       const auto section = model.config.value("model", nlohmann::json::object());
-      const int64_t b = checkpoint::hf::save_gpt2(o->to, model.params, section, dt, bytes ? "" : tok->source(), tok->eos_id());
-      std::printf("%s: GPT-2 folder for transformers, %.2fM parameters (%s), step %ld, %.1f MB, tokenizer %s\n", o->to.c_str(),
-                  numel / 1e6, o->dtype.c_str(), static_cast<long>(model.step), b / 1e6,
+      const bool decoder = section.value("positions", std::string("learned")) == "rope";
+      const std::string tok_files = bytes ? "" : tok->source();
+      const int64_t b =
+          decoder ? checkpoint::hf::save_decoder(o->to, model.params, section,
+                                                 model.config.value("hf_config", nlohmann::json::object()), dt, tok_files,
+                                                 tok->eos_id())
+                  : checkpoint::hf::save_gpt2(o->to, model.params, section, dt, tok_files, tok->eos_id());
+      const std::string family =
+          decoder ? checkpoint::hf::decoder_config(section, model.config.value("hf_config", nlohmann::json::object()), -1)
+                        .at("model_type")
+                        .get<std::string>()
+                  : "gpt2";
+      std::printf("%s: %s folder for transformers, %.2fM parameters (%s), step %ld, %.1f MB, tokenizer %s\n", o->to.c_str(),
+                  family.c_str(), numel / 1e6, o->dtype.c_str(), static_cast<long>(model.step), b / 1e6,
                   bytes ? "bytes (no files: token id = byte)" : tok->source().c_str());
       return 0;
     }

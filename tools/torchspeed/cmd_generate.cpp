@@ -41,7 +41,7 @@ Runner add_generate(CLI::App& app) {
     std::vector<int64_t> out;
     if (static_cast<int64_t>(prompt.size()) + o->sample.max_new_tokens <= gpt.seq_len) {
       auto model = std::make_shared<inference::InferenceModel>(loaded, inference::WeightFormat::kFP32);
-      const double kv_mb = static_cast<double>(inference::KVCache::bytes_per_block(gpt.n_layer, gpt.n_head, gpt.d_model / gpt.n_head,
+      const double kv_mb = static_cast<double>(inference::KVCache::bytes_per_block(gpt.n_layer, gpt.kv_heads(), gpt.hd(),
                                                                                  inference::KVCacheOptions())) *
                            static_cast<double>(inference::blocks_for(gpt.seq_len, 16)) / 1048576.0 * 1.01;
       inference::Engine engine(model, inference::EngineOptions().kv(inference::KVCacheOptions().budget_mb(kv_mb)).tokenizer(tok));

@@ -29,7 +29,7 @@ struct ServeOpts {
   std::string checkpoint, tokenizer, host = "127.0.0.1", api_key, model_name, weights = "fp32", kv_dtype = "auto", stop_file;
   bool bf16_dot = true;
   int port = 8000, ranks = 1, tp = 1, http_threads = 64;
-  double kv_mb = 256;
+  double kv_mb = 0;
   int64_t block_size = 16, max_num_seqs = 16, max_batched_tokens = 256, max_queue = 64, max_tokens = 0, max_n = 16;
   int64_t max_body = 1 << 20;
 };
@@ -73,7 +73,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16 or int8 (weight-only, per-channel scales)")->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   cmd->add_flag("!--no-bf16-dot", o->bf16_dot,
                 "With bf16 or int8 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16) or AMX tiles (each linear's input rounded to bf16, or with int8 weights on AMX to 16-bit fixed point)");
-  cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank")->check(CLI::Range(0.01, 1e7));
+  cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank (0: 256 MB, or two sequences of the model's whole context where that is more)")->check(CLI::Range(0.0, 1e7));
   cmd->add_option("--kv-cache-dtype", o->kv_dtype, "KV cache dtype: auto (fp32 with fp32 weights, else bf16), fp32 or bf16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
   cmd->add_option("--block-size", o->block_size, "Tokens per KV block")->check(CLI::Range(1, 4096));
@@ -150,12 +150,15 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     const auto t0 = std::chrono::steady_clock::now();
     const checkpoint::Model loaded = checkpoint::load_model(o->checkpoint);
     eo.tokenizer(data::tokenizer_of_model(o->checkpoint, loaded, o->tokenizer));
+    const data::ChatFormatPtr chat = data::chat_format_of_model(o->checkpoint, loaded, *eo.tokenizer());
     auto model = std::make_shared<inference::InferenceModel>(loaded, fmt, tp, o->bf16_dot);
     inference::Engine engine(model, eo, tp);
+    server.set_chat_format(chat);
     server.set_engine(&engine);
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights%s, tp %d, tokenizer %s), context %lld, KV cache %.0f MB %s (%lld blocks of %lld tokens)\n",
+    std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights%s, tp %d, tokenizer %s, chat template %s), context %lld, KV cache %.0f MB %s (%lld blocks of %lld tokens)\n",
                 load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), model->amx() ? " on AMX tiles" : model->bf16_dot() ? " with bf16 dot products" : "", o->tp, eo.tokenizer()->source().c_str(),
+                chat->tmpl ? chat->source.c_str() : "torchspeed's (the model has none)",
                 static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0, eo.kv().dtype() == at::kBFloat16 ? "bf16" : "fp32",
                 static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
     std::fflush(stdout);

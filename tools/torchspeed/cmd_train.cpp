@@ -181,13 +181,21 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     nlohmann::json j = config::read_json_file(o->config);
     for (const auto& s : o->sets) apply_override(j, s);
     // --init-from: the model's shape comes from the checkpoint; a key the config also gives must
-    // agree (dropout may differ: it is a training setting).
+    // agree (dropout may differ: it is a training setting; seq_len may be shorter with rotary
+    // positions).
     std::optional<checkpoint::Model> init;
     if (!o->init_from.empty()) {
       init = checkpoint::load_model(o->init_from);
       nlohmann::json model = j.value("model", nlohmann::json::object());
       const nlohmann::json given = init->config.value("model", nlohmann::json::object());  // named: items() refers to it
+      // With rotary positions no weight depends on the context length: a fine-tune may train on
+      // shorter sequences than the model's context (seq_len at most the model's).
+      const bool rope = given.value("positions", std::string()) == "rope";
       for (const auto& [k, v] : given.items()) {
+        if (rope && k == "seq_len" && model.contains(k) && model.at(k).is_number_integer() && v.is_number_integer() &&
+            model.at(k).get<int64_t>() >= 1 && model.at(k).get<int64_t>() <= v.get<int64_t>()) {
+          continue;
+        }
         if (model.contains(k) && k != "dropout" && model.at(k) != v) {
           TS_CHECK(false, o->config, ": model.", k, " is ", model.at(k).dump(), " but the model of --init-from ", o->init_from,
                    " has ", v.dump(), "; leave it out of the config (--init-from sets it)");

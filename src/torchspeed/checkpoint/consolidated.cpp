@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <set>
 
+#include "torchspeed/checkpoint/gguf.h"
 #include "torchspeed/checkpoint/hf_gpt2.h"
 #include "torchspeed/checkpoint/reshard.h"
 #include "torchspeed/checkpoint/sharded.h"
@@ -51,6 +52,7 @@ Model consolidate(const std::string& path) {
 
 Model load_model(const std::string& path) {
   const fs::path p(path);
+  if (fs::is_regular_file(p) && gguf::is_gguf(path)) return gguf::load_gguf(path);
   if (fs::is_regular_file(p)) {
     auto f = load_safetensors(path);
     const auto it = f.metadata.find("config");
@@ -60,7 +62,7 @@ Model load_model(const std::string& path) {
     if (f.metadata.count("step")) m.step = std::stoll(f.metadata["step"]);
     return m;
   }
-  if (hf::is_hf_folder(path)) return hf::load_gpt2(path);
+  if (hf::is_hf_folder(path)) return hf::load_hf(path);
   if (fs::exists(p / "model.safetensors") && fs::exists(p / "config.json")) {
     const std::string file = (p / "model.safetensors").string();
     auto f = load_safetensors(file);

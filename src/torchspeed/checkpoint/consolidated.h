@@ -32,9 +32,10 @@ struct Model {
 Model consolidate(const std::string& path);
 
 // A model to generate from, found at PATH: a .safetensors file written by `torchspeed convert`
-// (config in its metadata), a folder with model.safetensors and config.json, a training
-// checkpoint (consolidated on the fly), a Hugging Face GPT-2 folder (hf_gpt2.h), or a run folder
-// holding model/ or checkpoints/.
+// (config in its metadata), a GGUF file (gguf.h), a folder with model.safetensors and
+// config.json, a training checkpoint (consolidated on the fly), a Hugging Face folder of a
+// family torchspeed runs (hf_gpt2.h, hf_decoder.h), or a run folder holding model/ or
+// checkpoints/.
 Model load_model(const std::string& path);
 
 // Copies `model`'s tensors into the stack's parameters; a missing or extra name or a shape

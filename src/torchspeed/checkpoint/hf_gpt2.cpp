@@ -105,8 +105,7 @@ bool is_hf_folder(const std::string& dir) {
 nlohmann::json model_section_from_gpt2(const nlohmann::json& h, const std::string& source) {
   TS_CHECK(h.is_object(), source, ": expected a JSON object");
   const std::string type = h.value("model_type", std::string());
-  TS_CHECK(type == "gpt2", source, ": \"model_type\" is \"", type,
-           "\"; torchspeed's GPT reads GPT-2 checkpoints (model_type \"gpt2\") only");
+  TS_CHECK(type == "gpt2", source, ": \"model_type\" is \"", type, "\", not \"gpt2\"");
   nlohmann::json m;
   m["vocab"] = int_of(h, "vocab_size", source);
   m["seq_len"] = int_of(h, h.contains("n_positions") ? "n_positions" : "n_ctx", source);
@@ -174,14 +173,8 @@ nlohmann::json gpt2_config(const nlohmann::json& m, int64_t eos) {
   return h;
 }
 
-Model load_gpt2(const std::string& dir) {
+std::vector<std::string> safetensors_files(const std::string& dir) {
   const fs::path d(dir);
-  const std::string cfg_path = (d / "config.json").string();
-  const nlohmann::json h = config::read_json_file(cfg_path);
-  Model out;
-  out.config["model"] = model_section_from_gpt2(h, cfg_path);
-  out.config["hf_config"] = h;
-  const bool tied = out.config["model"]["tie_embeddings"].get<bool>();
   std::vector<std::string> files;
   if (fs::exists(d / "model.safetensors")) {
     files.push_back((d / "model.safetensors").string());
@@ -198,6 +191,49 @@ Model load_gpt2(const std::string& dir) {
     TS_CHECK(false, dir, ": no model.safetensors (or model.safetensors.index.json); torchspeed reads safetensors, ",
              "not pytorch_model.bin: save with save_pretrained(DIR) (safe_serialization is the default)");
   }
+  return files;
+}
+
+void copy_tokenizer_files(const std::string& dir, const std::string& tokenizer_dir) {
+  if (tokenizer_dir.empty()) return;
+  if (fs::is_regular_file(tokenizer_dir) && fs::path(tokenizer_dir).filename() != "vocab.json") {
+    copy_file_atomic(tokenizer_dir, fs::path(dir) / "tokenizer.json");  // a tokenizer.json by any name
+    return;
+  }
+  // A folder, or the vocab.json of one (vocab.json + merges.txt).
+  const fs::path from = fs::is_regular_file(tokenizer_dir) ? fs::path(tokenizer_dir).parent_path() : fs::path(tokenizer_dir);
+  int copied = 0;
+  for (const char* f : kTokenizerFiles) {
+    const fs::path src = from / f;
+    if (fs::is_regular_file(src)) {
+      copy_file_atomic(src, fs::path(dir) / f);
+      ++copied;
+    }
+  }
+  TS_CHECK(copied > 0, tokenizer_dir, ": no tokenizer files (tokenizer.json, or vocab.json and merges.txt) to copy");
+  // The generation defaults (EOS ids) travel with the tokenizer when the model came with them.
+  if (fs::is_regular_file(from / "generation_config.json")) {
+    copy_file_atomic(from / "generation_config.json", fs::path(dir) / "generation_config.json");
+  }
+}
+
+Model load_hf(const std::string& dir) {
+  const std::string cfg_path = (fs::path(dir) / "config.json").string();
+  const nlohmann::json h = config::read_json_file(cfg_path);
+  const std::string type = h.is_object() ? h.value("model_type", std::string()) : std::string();
+  if (type == "gpt2") return load_gpt2(dir);
+  return load_decoder(dir);
+}
+
+Model load_gpt2(const std::string& dir) {
+  const fs::path d(dir);
+  const std::string cfg_path = (d / "config.json").string();
+  const nlohmann::json h = config::read_json_file(cfg_path);
+  Model out;
+  out.config["model"] = model_section_from_gpt2(h, cfg_path);
+  out.config["hf_config"] = h;
+  const bool tied = out.config["model"]["tie_embeddings"].get<bool>();
+  const std::vector<std::string> files = safetensors_files(dir);
   for (const std::string& file : files) {
     auto f = load_safetensors(file);
     for (auto& [hf_name, t] : f.tensors) {
@@ -255,21 +291,7 @@ int64_t save_gpt2(const std::string& dir, const NamedTensors& params, const nloh
   h["torch_dtype"] = dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32";
   const auto digest = save_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
   write_file_atomic((fs::path(dir) / "config.json").string(), h.dump(2) + "\n");
-  if (!tokenizer_dir.empty() && fs::is_regular_file(tokenizer_dir) && fs::path(tokenizer_dir).filename() != "vocab.json") {
-    copy_file_atomic(tokenizer_dir, fs::path(dir) / "tokenizer.json");  // a tokenizer.json by any name
-  } else if (!tokenizer_dir.empty()) {
-    // A folder, or the vocab.json of one (vocab.json + merges.txt).
-    const fs::path from = fs::is_regular_file(tokenizer_dir) ? fs::path(tokenizer_dir).parent_path() : fs::path(tokenizer_dir);
-    int copied = 0;
-    for (const char* f : kTokenizerFiles) {
-      const fs::path src = from / f;
-      if (fs::is_regular_file(src)) {
-        copy_file_atomic(src, fs::path(dir) / f);
-        ++copied;
-      }
-    }
-    TS_CHECK(copied > 0, tokenizer_dir, ": no tokenizer files (tokenizer.json, or vocab.json and merges.txt) to copy");
-  }
+  copy_tokenizer_files(dir, tokenizer_dir);
   return digest.bytes;
 }
 

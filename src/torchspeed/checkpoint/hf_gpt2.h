@@ -14,11 +14,25 @@
 #include <string>
 
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/checkpoint/hf_decoder.h"
 
 namespace torchspeed::checkpoint::hf {
 
 // Whether `dir` is a Hugging Face model folder: config.json with a "model_type".
 bool is_hf_folder(const std::string& dir);
+
+// The model of a Hugging Face folder of any family torchspeed runs: GPT-2 here, Llama, Mistral,
+// Qwen2, Qwen3 (and SmolLM, which is Llama) through hf_decoder.h; another model_type is an
+// error naming it.
+Model load_hf(const std::string& dir);
+
+// The safetensors files of a Hugging Face folder: model.safetensors, or the shards named by
+// model.safetensors.index.json (each once, in the index's order).
+std::vector<std::string> safetensors_files(const std::string& dir);
+
+// Copies the tokenizer at `tokenizer_dir` (a tokenizer.json, a vocab.json, or a folder: its
+// tokenizer files and generation_config.json) into `dir`; nothing when empty.
+void copy_tokenizer_files(const std::string& dir, const std::string& tokenizer_dir);
 
 // Our "model" section (vocab, seq_len, d_model, n_layer, n_head, dropout, tie_embeddings,
 // activation, layer_norm_eps) from a GPT-2 config.json. A setting our GPT cannot compute

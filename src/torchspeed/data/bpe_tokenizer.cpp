@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "torchspeed/checkpoint/gguf.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/file.h"
 
@@ -192,10 +193,13 @@ BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
   id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
   for (const auto& [tok, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = tok;
   for (size_t r = 0; r < merges.size(); ++r) ranks_.emplace(pair_key(merges[r].first, merges[r].second), static_cast<int>(r));
-  for (int b = 0; b < 256; ++b) {
-    TS_CHECK(vocab_.count(byte_to_unicode_[b]), source_, ": the vocabulary has no token for byte ", b,
-             " ('", byte_to_unicode_[b], "'): not a byte-level BPE vocabulary");
-  }
+  int bytes = 0;
+  for (int b = 0; b < 256; ++b) bytes += vocab_.count(byte_to_unicode_[b]) ? 1 : 0;
+  // Real vocabularies may leave out a few control bytes (SmolLM's has no token for 0x04): text
+  // holding one encodes it as the unknown token where there is one. Most bytes missing means
+  // this is not a byte-level vocabulary at all.
+  TS_CHECK(bytes >= 192, source_, ": the vocabulary has tokens for only ", bytes,
+           " of the 256 bytes: not a byte-level BPE vocabulary");
   if (auto it = vocab_.find("<|endoftext|>"); it != vocab_.end()) {
     eos_ = it->second;
     added_.emplace_back(it->first, it->second);
@@ -242,11 +246,22 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
   const auto& m = j["model"];
   TS_CHECK(m.value("type", std::string()) == "BPE", path, ": model.type is ", m.value("type", std::string("missing")),
            "; only BPE models are read");
+  bool split_digits = false;
   if (j.contains("pre_tokenizer") && j["pre_tokenizer"].is_object()) {
-    const auto& pt = j["pre_tokenizer"];
-    TS_CHECK(pt.value("type", std::string()) == "ByteLevel", path, ": pre_tokenizer.type is ",
-             pt.value("type", std::string()), "; only GPT-2's ByteLevel is read");
-    TS_CHECK(!pt.value("add_prefix_space", false), path, ": pre_tokenizer.add_prefix_space true is not supported");
+    const nlohmann::json* pt = &j["pre_tokenizer"];
+    // SmolLM's Sequence [Digits (individual_digits), ByteLevel].
+    if (pt->value("type", std::string()) == "Sequence" && pt->contains("pretokenizers") &&
+        (*pt)["pretokenizers"].is_array() && (*pt)["pretokenizers"].size() == 2 && (*pt)["pretokenizers"][0].is_object() &&
+        (*pt)["pretokenizers"][0].value("type", std::string()) == "Digits") {
+      TS_CHECK((*pt)["pretokenizers"][0].value("individual_digits", false), path,
+               ": pre_tokenizer Digits without individual_digits is not supported");
+      split_digits = true;
+      pt = &(*pt)["pretokenizers"][1];
+    }
+    TS_CHECK(pt->is_object() && pt->value("type", std::string()) == "ByteLevel", path, ": pre_tokenizer.type is ",
+             pt->is_object() ? pt->value("type", std::string()) : pt->dump(),
+             "; GPT-2's ByteLevel (optionally after SmolLM's individual Digits) is read");
+    TS_CHECK(!pt->value("add_prefix_space", false), path, ": pre_tokenizer.add_prefix_space true is not supported");
   }
   TS_CHECK(m.contains("vocab") && m["vocab"].is_object(), path, ": model.vocab must be an object");
   std::unordered_map<std::string, int64_t> vocab;
@@ -272,6 +287,11 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
     }
   }
   BpeTokenizer t(std::move(vocab), std::move(merges), path);
+  t.split_digits_ = split_digits;
+  if (m.contains("unk_token") && m["unk_token"].is_string()) {
+    const auto it = t.vocab_.find(m["unk_token"].get<std::string>());
+    if (it != t.vocab_.end()) t.unk_ = it->second;
+  }
   if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
     for (size_t i = 0; i < j["added_tokens"].size(); ++i) {
       const auto& a = j["added_tokens"][i];
@@ -290,6 +310,65 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
     }
   }
   std::stable_sort(t.added_.begin(), t.added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  return t;
+}
+
+BpeTokenizer BpeTokenizer::from_gguf(const std::string& path) {
+  const checkpoint::gguf::File f(path);
+  const auto& md = f.header().metadata;
+  const std::string model = f.has("tokenizer.ggml.model") ? f.string("tokenizer.ggml.model") : "";
+  TS_CHECK(model == "gpt2", path, ": tokenizer.ggml.model is \"", model,
+           "\"; torchspeed reads the byte-level BPE (\"gpt2\") tokenizers of GGUF files");
+  const std::string pre = f.has("tokenizer.ggml.pre") ? f.string("tokenizer.ggml.pre") : "default";
+  TS_CHECK(pre == "default" || pre == "gpt-2" || pre == "gpt2" || pre == "smollm", path, ": tokenizer.ggml.pre \"", pre,
+           "\" is not supported yet (default, gpt-2 and smollm are)");
+  TS_CHECK(md.contains("tokenizer.ggml.tokens") && md.at("tokenizer.ggml.tokens").is_array(), path,
+           ": no tokenizer.ggml.tokens array");
+  const auto& tokens = md.at("tokenizer.ggml.tokens");
+  const nlohmann::json no_types = nlohmann::json::array();
+  const auto& types = md.contains("tokenizer.ggml.token_type") ? md.at("tokenizer.ggml.token_type") : no_types;
+  TS_CHECK(types.empty() || types.size() == tokens.size(), path, ": tokenizer.ggml.token_type has ", types.size(),
+           " entries for ", tokens.size(), " tokens");
+  std::unordered_map<std::string, int64_t> vocab;
+  std::vector<std::pair<std::string, int64_t>> special;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    TS_CHECK(tokens[i].is_string(), path, ": tokenizer.ggml.tokens[", i, "] is not a string");
+    const std::string& tok = tokens[i].get_ref<const std::string&>();
+    vocab.emplace(tok, static_cast<int64_t>(i));
+    const int64_t type = types.empty() || !types[i].is_number_integer() ? 1 : types[i].get<int64_t>();
+    if (type == 3 || type == 4) special.emplace_back(tok, static_cast<int64_t>(i));  // control, user-defined
+  }
+  std::vector<std::pair<std::string, std::string>> merges;
+  if (md.contains("tokenizer.ggml.merges")) {
+    const auto& ms = md.at("tokenizer.ggml.merges");
+    TS_CHECK(ms.is_array(), path, ": tokenizer.ggml.merges is not an array");
+    for (size_t r = 0; r < ms.size(); ++r) {
+      TS_CHECK(ms[r].is_string(), path, ": tokenizer.ggml.merges[", r, "] is not a string");
+      const std::string& m = ms[r].get_ref<const std::string&>();
+      const auto sp = m.find(' ');
+      TS_CHECK(sp != std::string::npos && sp > 0, path, ": tokenizer.ggml.merges[", r, "] = '", m, "' is not \"a b\"");
+      merges.emplace_back(m.substr(0, sp), m.substr(sp + 1));
+    }
+  }
+  BpeTokenizer t(std::move(vocab), std::move(merges), path);
+  t.split_digits_ = pre == "smollm";
+  if (f.has("tokenizer.ggml.unknown_token_id")) {
+    const int64_t unk = f.integer("tokenizer.ggml.unknown_token_id");
+    if (unk >= 0 && unk < t.vocab_size()) t.unk_ = unk;
+  }
+  for (const auto& [tok, id] : special) {
+    if (tok.empty()) continue;
+    bool known = false;
+    for (const auto& a : t.added_) known = known || a.first == tok;
+    if (!known) t.added_.emplace_back(tok, id);
+  }
+  std::stable_sort(t.added_.begin(), t.added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  if (f.has("tokenizer.ggml.eos_token_id")) {
+    const int64_t eos = f.integer("tokenizer.ggml.eos_token_id");
+    TS_CHECK(eos >= 0 && eos < t.vocab_size(), path, ": tokenizer.ggml.eos_token_id ", eos, " is outside the ",
+             t.vocab_size(), " tokens");
+    t.eos_ = eos;
+  }
   return t;
 }
 
@@ -331,13 +410,34 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   }
   for (const auto& s : sym) {
     const auto it = vocab_.find(s);
-    TS_CHECK(it != vocab_.end(), source_, ": BPE produced '", s, "', which the vocabulary does not hold");
+    if (it == vocab_.end() && unk_ >= 0) {
+      out.push_back(unk_);  // a byte the vocabulary lacks, as `tokenizers` gives unk_token
+      continue;
+    }
+    TS_CHECK(it != vocab_.end(), source_, ": BPE produced '", s, "', which the vocabulary does not hold (and it has no unknown token)");
     out.push_back(it->second);
   }
 }
 
 void BpeTokenizer::encode_plain(const std::string& text, std::vector<int64_t>& out) const {
-  for (const auto& piece : pre_tokenize(text)) bpe(piece, out);
+  if (!split_digits_) {
+    for (const auto& piece : pre_tokenize(text)) bpe(piece, out);
+    return;
+  }
+  // Each number character alone, the text between them through the pattern.
+  const auto cps = code_points(text);
+  size_t seg = 0;
+  for (const CodePoint& c : cps) {
+    if (c.cp == kInvalid || !is_number(c.cp)) continue;
+    if (c.begin > seg) {
+      for (const auto& piece : pre_tokenize(text.substr(seg, c.begin - seg))) bpe(piece, out);
+    }
+    bpe(text.substr(c.begin, c.len), out);
+    seg = c.begin + c.len;
+  }
+  if (seg < text.size()) {
+    for (const auto& piece : pre_tokenize(text.substr(seg))) bpe(piece, out);
+  }
 }
 
 std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {

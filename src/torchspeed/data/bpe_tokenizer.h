@@ -24,6 +24,11 @@ class BpeTokenizer : public Tokenizer {
   static BpeTokenizer from_tokenizer_json(const std::string& path);
   // A folder holding tokenizer.json, or vocab.json and merges.txt.
   static BpeTokenizer from_folder(const std::string& dir);
+  // The tokenizer a GGUF file carries (tokenizer.ggml.model "gpt2": byte-level BPE): its tokens,
+  // merges and token types (control and user-defined tokens are matched literally, as added
+  // tokens), its EOS id; tokenizer.ggml.pre "gpt-2"/"default", or "smollm" (digits split one by
+  // one first). Another pre-tokenizer is refused by name.
+  static BpeTokenizer from_gguf(const std::string& path);
 
   // Added tokens (tokenizer.json's added_tokens; GPT-2's <|endoftext|> from a vocab.json) are
   // matched literally before pre-tokenization, as Hugging Face's tokenizers do.
@@ -49,6 +54,10 @@ class BpeTokenizer : public Tokenizer {
   std::string source_;
   std::vector<std::pair<std::string, int64_t>> added_;  // longest first
   int64_t eos_ = -1;
+  // Hugging Face's Digits(individual_digits) pre-tokenizer before ByteLevel's pattern (SmolLM):
+  // every number character is a piece of its own.
+  bool split_digits_ = false;
+  int64_t unk_ = -1;  // what a byte the vocabulary lacks encodes as (-1: an error)
 };
 
 }  // namespace torchspeed::data

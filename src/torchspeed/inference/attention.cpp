@@ -212,23 +212,24 @@ using simd::widen;
 
 template <class KT>
 void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const KT* keys, const KT* values,
-                        int64_t heads, int64_t hd, float scale) {
+                        int64_t heads, int64_t kv_heads, int64_t hd, float scale) {
   const int64_t tasks = n_items * heads;
-  const int64_t row = heads * hd;
+  const int64_t row = kv_heads * hd, group = heads / kv_heads;
   at::parallel_for(0, tasks, 1, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> p;
     for (int64_t t = b; t < e; ++t) {
       const DecodeAttentionItem& it = items[t / heads];
       const int64_t h = t % heads;
+      const int64_t kvh = h / group;  // grouped-query attention: the query group's KV head
       const float* q = it.q + h * hd;
       p.resize(static_cast<size_t>(it.length));
-      if (have_avx512() &&
-          head_dispatch<KT>(hd, q, keys + h * hd, values + h * hd, it.slots, it.length, row, scale, p.data(), it.out + h * hd)) {
+      if (have_avx512() && head_dispatch<KT>(hd, q, keys + kvh * hd, values + kvh * hd, it.slots, it.length, row, scale,
+                                             p.data(), it.out + h * hd)) {
         continue;
       }
       float mx = -INFINITY;
       for (int64_t j = 0; j < it.length; ++j) {
-        const KT* k = keys + it.slots[j] * row + h * hd;
+        const KT* k = keys + it.slots[j] * row + kvh * hd;
         float s = 0.0f;
         for (int64_t c = 0; c < hd; ++c) s += q[c] * widen(k[c]);
         s *= scale;
@@ -246,7 +247,7 @@ void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const
       const float inv = 1.0f / sum;
       for (int64_t j = 0; j < it.length; ++j) {
         const float w = p[static_cast<size_t>(j)] * inv;
-        const KT* v = values + it.slots[j] * row + h * hd;
+        const KT* v = values + it.slots[j] * row + kvh * hd;
         for (int64_t c = 0; c < hd; ++c) o[c] += w * widen(v[c]);
       }
     }
@@ -255,11 +256,13 @@ void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const
 }  // namespace
 
 void decode_attention(const DecodeAttentionItem* items, int64_t n_items, const void* keys, const void* values,
-                      bool bf16, int64_t heads, int64_t hd, float scale) {
+                      bool bf16, int64_t heads, int64_t kv_heads, int64_t hd, float scale) {
   if (bf16) {
-    decode_attention_t(items, n_items, static_cast<const uint16_t*>(keys), static_cast<const uint16_t*>(values), heads, hd, scale);
+    decode_attention_t(items, n_items, static_cast<const uint16_t*>(keys), static_cast<const uint16_t*>(values), heads,
+                       kv_heads, hd, scale);
   } else {
-    decode_attention_t(items, n_items, static_cast<const float*>(keys), static_cast<const float*>(values), heads, hd, scale);
+    decode_attention_t(items, n_items, static_cast<const float*>(keys), static_cast<const float*>(values), heads,
+                       kv_heads, hd, scale);
   }
 }
 

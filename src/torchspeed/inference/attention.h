@@ -13,10 +13,11 @@ struct DecodeAttentionItem {
   float* out;            // [heads, head_dim]
 };
 
-// keys, values: [slots, heads, head_dim], fp32 or (`bf16`) bf16 bits. Arithmetic in fp32,
-// softmax with the maximum subtracted; each (sequence, head) pair is a task, so results do not
-// depend on the batch.
+// q, out: [heads, head_dim]; keys, values: [slots, kv_heads, head_dim], fp32 or (`bf16`) bf16
+// bits; query head h reads KV head h / (heads / kv_heads) (grouped-query attention; kv_heads ==
+// heads for multi-head attention). Arithmetic in fp32, softmax with the maximum subtracted; each
+// (sequence, head) pair is a task, so results do not depend on the batch.
 void decode_attention(const DecodeAttentionItem* items, int64_t n_items, const void* keys, const void* values,
-                      bool bf16, int64_t heads, int64_t head_dim, float scale);
+                      bool bf16, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale);
 
 }  // namespace torchspeed::inference

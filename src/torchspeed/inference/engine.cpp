@@ -45,13 +45,24 @@ struct Engine::Sequence {
   Sequence(const SamplingParams& p) : params(p), sampler(p), text(p.stop) {}
 };
 
-Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& options, comm::CommunicatorPtr tp)
+KVCacheOptions resolve_kv(const KVCacheOptions& kv, const InferenceModel& model) {
+  if (kv.budget_mb() > 0) return kv;
+  // Auto: 256 MB, or two sequences of the model's whole context where that is more (a Llama of
+  // 8192 positions needs 377 MB per sequence in fp32).
+  const double block = static_cast<double>(KVCache::bytes_per_block(model.config().n_layer, model.local_kv_heads(), model.head_dim(), kv));
+  const double two_full = 2.0 * static_cast<double>(blocks_for(model.config().seq_len, kv.block_size())) * block;
+  KVCacheOptions out = kv;
+  out.budget_mb(std::max(256.0, two_full / 1048576.0 + 1.0));
+  return out;
+}
+
+Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& options_in, comm::CommunicatorPtr tp)
     : model_(std::move(model)),
-      options_(options),
+      options_(EngineOptions(options_in).kv(resolve_kv(options_in.kv(), *model_))),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
-      cache_(std::make_unique<KVCache>(model_->config().n_layer, model_->local_heads(), model_->head_dim(), options.kv())),
+      cache_(std::make_unique<KVCache>(model_->config().n_layer, model_->local_kv_heads(), model_->head_dim(), options_.kv())),
       pool_(cache_->num_blocks()),
-      tokenizer_(options.tokenizer() ? options.tokenizer() : std::make_shared<data::ByteTokenizer>()),
+      tokenizer_(options_.tokenizer() ? options_.tokenizer() : std::make_shared<data::ByteTokenizer>()),
       eos_(tokenizer_->eos_id()) {
   TS_CHECK(tokenizer_->vocab_size() <= model_->config().vocab, "the tokenizer (", tokenizer_->source(), ") has ",
            tokenizer_->vocab_size(), " tokens, more than the model's vocabulary of ", model_->config().vocab);
@@ -253,7 +264,7 @@ void Engine::send_plan(const StepPlan* plan) {
 }
 
 void Engine::follow(InferenceModel& model, const EngineOptions& options, const comm::CommunicatorPtr& tp) {
-  KVCache cache(model.config().n_layer, model.local_heads(), model.head_dim(), options.kv());
+  KVCache cache(model.config().n_layer, model.local_kv_heads(), model.head_dim(), resolve_kv(options.kv(), model));
   while (true) {
     at::Tensor header = at::empty({1}, at::kLong);
     comm::WorkPtr w = tp->broadcast_async(header, 0);
@@ -316,7 +327,8 @@ bool Engine::step() {
           ls_.itl.observe(std::chrono::duration<double>(now - s.last_token).count());
         }
         s.last_token = now;
-        if (g.id == eos_ && !s.params.ignore_eos) {
+        const auto& stop_ids = s.params.stop_token_ids;
+        if ((g.id == eos_ || std::find(stop_ids.begin(), stop_ids.end(), g.id) != stop_ids.end()) && !s.params.ignore_eos) {
           s.stopped = true;  // the end-of-text token: a stop, its text never shown
         } else {
           s.stopped = s.text.append(g.id < tokenizer_->vocab_size() ? tokenizer_->token_bytes(g.id) : std::string());

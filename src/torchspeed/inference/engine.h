@@ -72,6 +72,10 @@ struct EngineStats {
   uint64_t tp_collectives = 0, tp_bytes = 0;  // this rank's ops on the tensor-parallel group
 };
 
+// `kv` with a budget of 0 made concrete for `model`: 256 MB, or two sequences of its whole
+// context where that is more.
+KVCacheOptions resolve_kv(const KVCacheOptions& kv, const InferenceModel& model);
+
 class Engine {
  public:
   // `tp`: the tensor-parallel group (rank 0 calls this; the others call follow()).

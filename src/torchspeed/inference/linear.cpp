@@ -373,6 +373,27 @@ void layer_norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   });
 }
 
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), d = x.size(1);
+  TS_INTERNAL_ASSERT(x.is_contiguous() && out.is_contiguous() && x.scalar_type() == at::kFloat &&
+                         out.scalar_type() == at::kFloat && out.sizes() == x.sizes() && w.numel() == d &&
+                         w.scalar_type() == at::kFloat,
+                     "rms_norm_rows: x ", x.sizes(), ", out ", out.sizes());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * d;
+      float* o = op + r * d;
+      double ss = 0.0;  // a sum of squares in double: no accumulation error to speak of at any d
+      for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+      const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(d)) + static_cast<float>(eps));
+      for (int64_t i = 0; i < d; ++i) o[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+}
+
 void ServingLinear::rows_kernel(const float* x, int64_t rows, float* y, const OutputStage& stage) const {
   switch (format_) {
     case WeightFormat::kFP32: rows_kernel_t(x, rows, in_, out_, w_.data_ptr<float>(), nullptr, y, stage); break;

@@ -68,6 +68,10 @@ class ServingLinear {
 // same way in any batch.
 void layer_norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps, at::Tensor& out);
 
+// out [rows, d] = RMS norm of each row of x [rows, d] (fp32, contiguous): x / sqrt(mean(x^2) +
+// eps) times w, as Hugging Face's RMSNorm computes it in fp32. Each row alone, as above.
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
+
 // Rows up to this count go through the row kernel; more use dequantize + GEMM (prefill).
 constexpr int64_t kRowKernelMaxRows = 32;
 

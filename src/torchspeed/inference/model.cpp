@@ -1,6 +1,7 @@
 #include "torchspeed/inference/model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
@@ -47,19 +48,21 @@ StepPlan StepPlan::deserialize(const std::vector<int64_t>& f) {
 }
 
 namespace {
-// Keys and values of the step's rows (columns [dl, 3 dl) of qkv) into their cache slots, as
-// index_copy_ of qkv's slices converted to the cache's dtype would write them (bf16: round to
-// nearest even).
-void write_kv(const at::Tensor& qkv, int64_t dl, const std::vector<int64_t>& slots, at::Tensor& kc, at::Tensor& vc) {
+// Keys and values of the step's rows (columns [ql, ql + kvl) and [ql + kvl, ql + 2 kvl) of qkv)
+// into their cache slots, as index_copy_ of qkv's slices converted to the cache's dtype would
+// write them (bf16: round to nearest even).
+void write_kv(const at::Tensor& qkv, int64_t ql, int64_t kvl, const std::vector<int64_t>& slots, at::Tensor& kc,
+              at::Tensor& vc) {
   const float* src = qkv.data_ptr<float>();
   const int64_t ld = qkv.size(1), n = static_cast<int64_t>(slots.size());
-  TS_INTERNAL_ASSERT(qkv.is_contiguous() && qkv.size(0) == n && kc.is_contiguous() && vc.is_contiguous(),
+  TS_INTERNAL_ASSERT(qkv.is_contiguous() && qkv.size(0) == n && ld == ql + 2 * kvl && kc.is_contiguous() &&
+                         vc.is_contiguous(),
                      "write_kv: qkv ", qkv.sizes(), " for ", n, " slots");
   if (kc.scalar_type() == at::kFloat) {
     float *k = kc.data_ptr<float>(), *v = vc.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
-      std::memcpy(k + slots[r] * dl, src + r * ld + dl, sizeof(float) * dl);
-      std::memcpy(v + slots[r] * dl, src + r * ld + 2 * dl, sizeof(float) * dl);
+      std::memcpy(k + slots[r] * kvl, src + r * ld + ql, sizeof(float) * kvl);
+      std::memcpy(v + slots[r] * kvl, src + r * ld + ql + kvl, sizeof(float) * kvl);
     }
     return;
   }
@@ -67,11 +70,19 @@ void write_kv(const at::Tensor& qkv, int64_t dl, const std::vector<int64_t>& slo
   auto *k = kc.data_ptr<at::BFloat16>(), *v = vc.data_ptr<at::BFloat16>();
   for (int64_t r = 0; r < n; ++r) {
     const float* row = src + r * ld;
-    for (int64_t c = 0; c < dl; ++c) {
-      k[slots[r] * dl + c] = at::BFloat16(row[dl + c]);
-      v[slots[r] * dl + c] = at::BFloat16(row[2 * dl + c]);
+    for (int64_t c = 0; c < kvl; ++c) {
+      k[slots[r] * kvl + c] = at::BFloat16(row[ql + c]);
+      v[slots[r] * kvl + c] = at::BFloat16(row[ql + kvl + c]);
     }
   }
+}
+
+// x[0..d) *= rsqrt(mean(x^2) + eps) * w, in place (Hugging Face's RMSNorm in fp32).
+void rms_norm_inplace(float* x, int64_t d, const float* w, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) x[i] = w[i] * (x[i] * r);
 }
 
 struct Params {
@@ -92,40 +103,101 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
   if (tp && tp->size() > 1) tp_ = tp;
   const int tps = tp_ ? tp_->size() : 1, tpr = tp_ ? tp_->rank() : 0;
   TS_CHECK(cfg_.n_head % tps == 0, "model.n_head ", cfg_.n_head, " does not divide by --tp ", tps);
+  TS_CHECK(cfg_.kv_heads() % tps == 0, "model.n_kv_head ", cfg_.kv_heads(), " does not divide by --tp ", tps,
+           ": each rank serves whole key/value heads");
   heads_ = cfg_.n_head / tps;
-  gelu_ = activation_for_gelu(cfg_.gelu_approximate());
-  hd_ = cfg_.d_model / cfg_.n_head;
+  kv_heads_ = cfg_.kv_heads() / tps;
+  if (!cfg_.swiglu()) gelu_ = activation_for_gelu(cfg_.gelu_approximate());
+  hd_ = cfg_.hd();
   Params p;
   p.source = model.source;
   for (const auto& [name, t] : model.params) p.by_name[name] = t;
   auto split = [&](const at::Tensor& full, tensor_parallel::Split s) {
-    return tp_ ? tensor_parallel::slice(full, s, tpr, tps).contiguous() : full;
+    return tp_ && full.defined() ? tensor_parallel::slice(full, s, tpr, tps).contiguous() : full;
   };
-  const tensor_parallel::Split heads_rows{0, 3}, rows{0, 1}, cols{1, 1};
+  // The fused qkv rows [q | k | v]: each part split by this rank's heads.
+  const int64_t Q = cfg_.q_width(), KVW = cfg_.kv_width();
+  auto split_qkv = [&](const at::Tensor& full) {
+    if (!tp_ || !full.defined()) return full;
+    const int64_t r = static_cast<int64_t>(tpr), n = static_cast<int64_t>(tps);
+    return at::cat({full.narrow(0, r * Q / n, Q / n), full.narrow(0, Q + r * KVW / n, KVW / n),
+                    full.narrow(0, Q + KVW + r * KVW / n, KVW / n)})
+        .contiguous();
+  };
+  auto maybe = [&](bool present, const std::string& name) { return present ? p.take(name) : at::Tensor(); };
+  const bool ln = !cfg_.rms();
+  const tensor_parallel::Split rows{0, 1}, cols{1, 1}, gate_up{0, 2};
   tok_ = p.take("embed.tok.weight");
-  pos_ = p.take("embed.pos.weight");
+  if (!cfg_.rope()) pos_ = p.take("embed.pos.weight");
   for (int64_t i = 0; i < cfg_.n_layer; ++i) {
     const std::string b = "block" + std::to_string(i) + ".";
     Layer L;
     L.ln1_w = p.take(b + "ln1.weight");
-    L.ln1_b = p.take(b + "ln1.bias");
+    L.ln1_b = maybe(ln, b + "ln1.bias");
     L.ln2_w = p.take(b + "ln2.weight");
-    L.ln2_b = p.take(b + "ln2.bias");
-    L.qkv = ServingLinear(split(p.take(b + "qkv.weight"), heads_rows), split(p.take(b + "qkv.bias"), heads_rows), format, bf16_dot);
-    L.proj = ServingLinear(split(p.take(b + "attn_proj.weight"), cols), p.take(b + "attn_proj.bias"), format, bf16_dot);
-    L.fc = ServingLinear(split(p.take(b + "fc.weight"), rows), split(p.take(b + "fc.bias"), rows), format, bf16_dot);
-    L.mlp = ServingLinear(split(p.take(b + "mlp_proj.weight"), cols), p.take(b + "mlp_proj.bias"), format, bf16_dot);
+    L.ln2_b = maybe(ln, b + "ln2.bias");
+    L.q_norm = maybe(cfg_.qk_norm, b + "q_norm.weight");
+    L.k_norm = maybe(cfg_.qk_norm, b + "k_norm.weight");
+    L.qkv = ServingLinear(split_qkv(p.take(b + "qkv.weight")), split_qkv(maybe(cfg_.qkv_bias, b + "qkv.bias")), format,
+                          bf16_dot);
+    L.proj = ServingLinear(split(p.take(b + "attn_proj.weight"), cols), maybe(cfg_.attn_out_bias, b + "attn_proj.bias"),
+                           format, bf16_dot);
+    const tensor_parallel::Split fc_split = cfg_.swiglu() ? gate_up : rows;
+    L.fc = ServingLinear(split(p.take(b + "fc.weight"), fc_split), split(maybe(cfg_.mlp_bias, b + "fc.bias"), fc_split),
+                         format, bf16_dot);
+    L.mlp = ServingLinear(split(p.take(b + "mlp_proj.weight"), cols), maybe(cfg_.mlp_bias, b + "mlp_proj.bias"), format,
+                          bf16_dot);
     layers_.push_back(std::move(L));
   }
   lnf_w_ = p.take("head.ln_f.weight");
-  lnf_b_ = p.take("head.ln_f.bias");
+  lnf_b_ = maybe(ln, "head.ln_f.bias");
   // The LM head is replicated: with a byte vocabulary it is 0.3% of the weights, and splitting
   // it would add an all-gather per token.
   head_ = ServingLinear(cfg_.tie_embeddings ? tok_ : p.take("head.weight"), at::Tensor(), format, bf16_dot);
   if (!p.by_name.empty()) {
-    TS_CHECK(false, p.source, ": tensor \"", p.by_name.begin()->first, "\" is not part of a GPT with model config ",
+    TS_CHECK(false, p.source, ": tensor \"", p.by_name.begin()->first, "\" is not part of a model with config ",
              cfg_.to_json().dump(), " (", p.by_name.size(), " unused)");
   }
+  if (cfg_.rope()) {
+    const models::RopeTables t = models::rope_tables(cfg_, cfg_.seq_len);
+    rope_cos_ = t.cos.contiguous();
+    rope_sin_ = t.sin.contiguous();
+  }
+}
+
+void InferenceModel::norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& out) const {
+  if (!cfg_.rms()) {
+    layer_norm_rows(x, w, b, cfg_.layer_norm_eps, out);
+    return;
+  }
+  rms_norm_rows(x, w, cfg_.layer_norm_eps, out);
+}
+
+void InferenceModel::position_qk(at::Tensor& qkv, const std::vector<int64_t>& pos, const Layer& L) const {
+  if (!cfg_.qk_norm && !cfg_.rope()) return;
+  const int64_t N = qkv.size(0), ld = qkv.size(1), hd = hd_, half = hd_ / 2, heads = heads_ + kv_heads_;
+  float* base = qkv.data_ptr<float>();
+  const float* qn = L.q_norm.defined() ? L.q_norm.data_ptr<float>() : nullptr;
+  const float* kn = L.k_norm.defined() ? L.k_norm.data_ptr<float>() : nullptr;
+  const float* cs = cfg_.rope() ? rope_cos_.data_ptr<float>() : nullptr;
+  const float* sn = cfg_.rope() ? rope_sin_.data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(cfg_.layer_norm_eps);
+  at::parallel_for(0, N * heads, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / heads, h = t % heads;  // heads [0, heads_) are queries, then keys
+      float* x = base + r * ld + h * hd;            // the keys follow the queries in qkv's row
+      if (qn) rms_norm_inplace(x, hd, h < heads_ ? qn : kn, eps);
+      if (cs) {
+        const float* c = cs + pos[static_cast<size_t>(r)] * half;
+        const float* s = sn + pos[static_cast<size_t>(r)] * half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[i + half] = x2 * c[i] + x1 * s[i];
+        }
+      }
+    }
+  });
 }
 
 int64_t InferenceModel::weight_bytes() const {
@@ -137,6 +209,7 @@ int64_t InferenceModel::weight_bytes() const {
 void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Tensor& q, KVCache& cache,
                                const std::vector<at::Tensor>& ctx_slots, at::Tensor& out) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd_));
+  const int64_t group = heads_ / kv_heads_;
   const at::Tensor& kc = cache.keys(layer);
   const at::Tensor& vc = cache.values(layer);
   std::vector<DecodeAttentionItem> decode;
@@ -148,8 +221,12 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
       decode.push_back({q[row].data_ptr<float>(), ctx_slots[s].data_ptr<int64_t>(), L, out[row].data_ptr<float>()});
     } else {
       // A prompt chunk: its queries against every cached position up to each query's own.
-      at::Tensor K = kc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});  // [H, L, hd]
+      at::Tensor K = kc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});  // [KV, L, hd]
       at::Tensor V = vc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});
+      if (group > 1) {  // each KV head for its query group, as repeat_kv
+        K = K.repeat_interleave(group, 0);
+        V = V.repeat_interleave(group, 0);
+      }
       at::Tensor Q = q.narrow(0, row, t).permute({1, 0, 2});               // [H, t, hd]
       at::Tensor att = at::matmul(Q, K.transpose(1, 2)).mul_(scale);      // [H, t, L]
       at::Tensor qpos = at::arange(c.start, L, at::kLong).unsqueeze(1);
@@ -162,7 +239,7 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
   }
   if (!decode.empty()) {
     decode_attention(decode.data(), static_cast<int64_t>(decode.size()), kc.data_ptr(), vc.data_ptr(),
-                     cache.dtype() == at::kBFloat16, heads_, hd_, scale);
+                     cache.dtype() == at::kBFloat16, heads_, kv_heads_, hd_, scale);
   }
 }
 
@@ -195,10 +272,10 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
       for (int64_t k = c.all_logits ? 0 : t - 1; k < t; ++k) logit_rows.push_back(row0 + k);
     }
   }
-  const int64_t N = static_cast<int64_t>(toks.size()), d = cfg_.d_model, dl = heads_ * hd_;
-  const double eps = cfg_.layer_norm_eps;
-  const at::Tensor tok_t = at::tensor(toks, at::kLong), pos_t = at::tensor(pos, at::kLong);
-  at::Tensor x = tok_.index_select(0, tok_t).add_(pos_.index_select(0, pos_t));  // [N, d]
+  const int64_t N = static_cast<int64_t>(toks.size()), d = cfg_.d_model, dl = heads_ * hd_, kvl = kv_heads_ * hd_;
+  const at::Tensor tok_t = at::tensor(toks, at::kLong);
+  at::Tensor x = tok_.index_select(0, tok_t);  // [N, d]
+  if (pos_.defined()) x.add_(pos_.index_select(0, at::tensor(pos, at::kLong)));
   // Per layer, besides the kernels: the layer norms (our row kernel), the cache writes and the
   // bias and residual adds (inside the linear kernels) are no separate ATen ops, which at batch
   // 1 cost about as much as a quarter of the weights' bytes.
@@ -206,10 +283,11 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
   at::Tensor y = at::empty({N, heads_, hd_}, x.options());
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
-    layer_norm_rows(x, L.ln1_w, L.ln1_b, eps, h);
-    const at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, 3 dl]
-    const at::Tensor q = qkv.narrow(1, 0, dl).view({N, heads_, hd_});  // rows 3 dl apart
-    write_kv(qkv, dl, slots, cache.keys(l), cache.values(l));
+    norm_rows(x, L.ln1_w, L.ln1_b, h);
+    at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, dl + 2 kvl]
+    position_qk(qkv, pos, L);
+    const at::Tensor q = qkv.narrow(1, 0, dl).view({N, heads_, hd_});  // rows dl + 2 kvl apart
+    write_kv(qkv, dl, kvl, slots, cache.keys(l), cache.values(l));
     attention(plan, l, q, cache, ctx, y);
     if (tp_) {
       at::Tensor a = L.proj.forward(y.view({N, dl}), decode_rows, /*add_bias=*/false);
@@ -219,8 +297,12 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
     } else {
       L.proj.forward_add(y.view({N, dl}), decode_rows, x);
     }
-    layer_norm_rows(x, L.ln2_w, L.ln2_b, eps, h);
-    const at::Tensor f = L.fc.forward(h, decode_rows, /*add_bias=*/true, gelu_);
+    norm_rows(x, L.ln2_w, L.ln2_b, h);
+    at::Tensor f = L.fc.forward(h, decode_rows, /*add_bias=*/true, cfg_.swiglu() ? Activation::kNone : gelu_);
+    if (cfg_.swiglu()) {  // [gate | up] -> silu(gate) * up
+      const int64_t half = f.size(1) / 2;
+      f = at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
+    }
     if (tp_) {
       at::Tensor m = L.mlp.forward(f, decode_rows, /*add_bias=*/false);
       tp_->all_reduce(m);
@@ -230,7 +312,14 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
       L.mlp.forward_add(f, decode_rows, x);
     }
   }
-  at::Tensor hf = at::layer_norm(x.index_select(0, at::tensor(logit_rows, at::kLong)), {d}, lnf_w_, lnf_b_, eps);
+  const at::Tensor last = x.index_select(0, at::tensor(logit_rows, at::kLong));
+  at::Tensor hf;
+  if (cfg_.rms()) {
+    hf = at::empty_like(last);
+    rms_norm_rows(last, lnf_w_, cfg_.layer_norm_eps, hf);
+  } else {
+    hf = at::layer_norm(last, {d}, lnf_w_, lnf_b_, cfg_.layer_norm_eps);
+  }
   return head_.forward(hf, decode_logit_rows);
 }
 

@@ -1,7 +1,10 @@
-// A GPT for serving: the trained weights (fp32, bf16 or int8 linears), a forward over a ragged
-// batch of sequence chunks that reads and writes the paged KV cache, and the same forward
-// split Megatron-style over a tensor-parallel group (heads and the MLP split column- then
-// row-parallel with the tensor_parallel/ slicing, two all-reduces of [tokens, d] per layer).
+// A decoder for serving, built from the same model description as training (models::GPTConfig:
+// GPT-2, Llama, Mistral, Qwen2/3, SmolLM): the trained weights (fp32, bf16 or int8 linears), a
+// forward over a ragged batch of sequence chunks that reads and writes the paged KV cache
+// (rotary positions applied to queries and keys as they are written; grouped-query attention
+// reads each KV head for its query group), and the same forward split Megatron-style over a
+// tensor-parallel group (heads and the MLP split column- then row-parallel with the
+// tensor_parallel/ slicing, two all-reduces of [tokens, d] per layer).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -50,6 +53,7 @@ class InferenceModel {
 
   const models::GPTConfig& config() const { return cfg_; }
   int64_t local_heads() const { return heads_; }
+  int64_t local_kv_heads() const { return kv_heads_; }  // what the KV cache holds per layer
   int64_t head_dim() const { return hd_; }
   // Bytes of weights one decode step reads on this rank.
   int64_t weight_bytes() const;
@@ -63,16 +67,21 @@ class InferenceModel {
 
  private:
   struct Layer {
-    at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;
+    at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // biases: LayerNorm only
+    at::Tensor q_norm, k_norm;              // Qwen3's per-head RMSNorm weights [head_dim]
     ServingLinear qkv, proj, fc, mlp;
   };
+  void norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& out) const;
+  // q/k norms and rotary positions of each row's query and key heads, in place in qkv.
+  void position_qk(at::Tensor& qkv, const std::vector<int64_t>& pos, const Layer& L) const;
   void attention(const StepPlan& plan, int64_t layer, const at::Tensor& q, KVCache& cache,
                  const std::vector<at::Tensor>& ctx_slots, at::Tensor& out);
   models::GPTConfig cfg_;
   comm::CommunicatorPtr tp_;
-  int64_t heads_, hd_;
+  int64_t heads_, kv_heads_, hd_;
   Activation gelu_ = Activation::kGelu;  // inside the fc kernel
-  at::Tensor tok_, pos_, lnf_w_, lnf_b_;
+  at::Tensor tok_, pos_, lnf_w_, lnf_b_;  // pos_: learned positions only
+  at::Tensor rope_cos_, rope_sin_;        // [seq_len, head_dim / 2]: rotary positions only
   ServingLinear head_;
   std::vector<Layer> layers_;
 };

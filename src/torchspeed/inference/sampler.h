@@ -23,6 +23,9 @@ struct SamplingParams {
   int64_t logprobs = -1;          // -1: none; N: the chosen token's and the N most likely
   bool prompt_logprobs = false;   // also every prompt token's (OpenAI's echo with logprobs)
   bool ignore_eos = false;        // keep generating past the tokenizer's end-of-text token
+  // Token ids that end the generation like the end-of-text token (a chat template's end of
+  // turn, vLLM's stop_token_ids); their text is not shown.
+  std::vector<int64_t> stop_token_ids;
 };
 
 struct TokenLogprobs {

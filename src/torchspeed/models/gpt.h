@@ -1,7 +1,11 @@
-// GPT as a LayerStack: "embed" (token + learned position embedding, dropout), "block0".."blockN-1"
-// (pre-LayerNorm causal self-attention and 4x GELU MLP with residuals), "head" (final LayerNorm
-// and the LM head, tied to the token embedding by default). GPT-2 initialisation. Every parallel
-// technique treats it as a stack of layers; the loss is cross-entropy over the vocabulary in fp32.
+// The decoder-only transformer as a LayerStack: "embed" (token embedding, plus a learned position
+// embedding where positions are learned; dropout), "block0".."blockN-1" (pre-norm causal
+// self-attention and MLP with residuals), "head" (final norm and the LM head, tied to the token
+// embedding by default). One description (GPTConfig) covers the families people use: GPT-2 is
+// its default instance; Llama, Mistral, Qwen2, Qwen3 and SmolLM set RMSNorm, rotary positions,
+// SwiGLU, grouped-query attention, their biases and Qwen3's q/k norms (Note [Model
+// description]). The serving model (inference/) is built from the same description. Every
+// parallel technique treats it as a stack of layers; the loss is cross-entropy in fp32.
 #pragma once
 
 #include <torch/nn/modules/dropout.h>
@@ -24,6 +28,35 @@
 
 namespace torchspeed::models {
 
+// Rotary position embedding's frequency scaling, as Hugging Face configs spell it
+// ("rope_scaling": {"rope_type": ...}). kNone: RoPE as published (Su et al.).
+struct RopeScaling {
+  std::string type = "none";  // "none" | "linear" | "llama3" | "yarn"
+  double factor = 1.0;
+  // llama3: frequencies below low_freq_factor / original_max_position_embeddings scaled by
+  // 1/factor, above high_freq_factor left alone, smoothly between.
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 0;  // llama3 and yarn (0: the model's seq_len)
+  // yarn (Peng et al.): the ramp between beta_fast and beta_slow rotations, and the attention
+  // factor that scales cos and sin (0: 0.1 ln(factor) + 1).
+  double beta_fast = 32.0, beta_slow = 1.0, attention_factor = 0.0;
+  bool truncate = true;
+  bool operator==(const RopeScaling& o) const;
+};
+
+// Note [Model description]
+// One decoder-only transformer, GPT-2's by default. The fields a family changes:
+//   n_kv_head  key/value heads (0: n_head); fewer is grouped-query attention: query head h
+//              reads KV head h / (n_head / n_kv_head), as Hugging Face's repeat_kv
+//   head_dim   0: d_model / n_head (Qwen3 and some Llama shapes set it apart)
+//   d_ff       the MLP's width (0: 4 d_model)
+//   norm       "layernorm" (weight and bias) or "rmsnorm" (weight only, fp32 inside)
+//   positions  "learned" (embed.pos) or "rope" (rotate-half convention, rope_theta, rope_scaling)
+//   activation "gelu", "gelu_tanh", or "swiglu": silu(gate) * up, fc's rows are [gate; up]
+//   qkv_bias, attn_out_bias, mlp_bias: the linear layers' biases (GPT-2: all; Llama: none;
+//              Qwen2: q/k/v only)
+//   qk_norm    Qwen3's RMSNorm of each query and key head (over head_dim) before RoPE
+// The fused qkv weight's rows are [q: n_head * head_dim | k: n_kv_head * head_dim | v: same].
 struct GPTConfig {
   int64_t vocab = 256;
   int64_t seq_len = 128;
@@ -35,8 +68,29 @@ struct GPTConfig {
   // The MLP's GELU: "gelu" (exact, erf) or "gelu_tanh" (the tanh approximation GPT-2 was trained
   // with; Hugging Face calls it "gelu_new"). at::gelu's `approximate` argument: "none" or "tanh".
   std::string activation = "gelu";
-  double layer_norm_eps = 1e-5;
+  double layer_norm_eps = 1e-5;  // the eps of every norm, LayerNorm or RMSNorm
+  int64_t n_kv_head = 0;
+  int64_t head_dim = 0;
+  int64_t d_ff = 0;
+  std::string norm = "layernorm";
+  std::string positions = "learned";
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool qkv_bias = true, attn_out_bias = true, mlp_bias = true;
+  bool qk_norm = false;
   const char* gelu_approximate() const { return activation == "gelu_tanh" ? "tanh" : "none"; }
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int64_t hd() const { return head_dim > 0 ? head_dim : d_model / n_head; }
+  int64_t ff() const { return d_ff > 0 ? d_ff : 4 * d_model; }
+  bool rms() const { return norm == "rmsnorm"; }
+  bool rope() const { return positions == "rope"; }
+  bool swiglu() const { return activation == "swiglu"; }
+  int64_t q_width() const { return n_head * hd(); }
+  int64_t kv_width() const { return kv_heads() * hd(); }
+  // Parameters of one block, of the embedding layer and of the head layer (a tied head: its norm).
+  int64_t block_params() const;
+  int64_t embed_params() const;
+  int64_t head_params() const;
 
   // From a config's "model" section; errors name the JSON path (model.d_model ...).
   static GPTConfig from_json(const nlohmann::json& j, const std::string& path = "model");
@@ -56,11 +110,35 @@ class GPTEmbeddingImpl : public torch::nn::Module, public compression::Compressi
   explicit GPTEmbeddingImpl(const GPTConfig& c);
   at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> [B, T, d]
   std::vector<compression::Site> compression_sites() override;
-  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};  // pos: learned positions only
   torch::nn::Dropout drop{nullptr};
   compression::SiteState tok_q, pos_q;
 };
 TORCH_MODULE(GPTEmbedding);
+
+// LayerNorm (weight and bias) or RMSNorm (weight only; Hugging Face's LlamaRMSNorm: computed in
+// fp32, the weight applied after casting back to the input's dtype).
+class NormImpl : public torch::nn::Module {
+ public:
+  NormImpl(int64_t dim, double eps, bool rms);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;  // bias: LayerNorm only
+  int64_t dim;
+  double eps;
+  bool rms;
+};
+TORCH_MODULE(Norm);
+Norm copy_norm(const Norm& src);
+
+// Rotary embedding tables for positions [0, positions): cos and sin [positions, head_dim / 2],
+// fp32, computed as Hugging Face computes them (inverse frequencies in fp32 from rope_theta and
+// rope_scaling, their outer product with the positions, times yarn's attention factor).
+struct RopeTables {
+  at::Tensor cos, sin;
+};
+RopeTables rope_tables(const GPTConfig& c, int64_t positions);
+// x [B, H, T, hd] rotated by positions 0..T-1 (rotate-half convention), in x's dtype.
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& t);
 
 class GPTBlockImpl : public torch::nn::Module, public compression::Compressible, public nn::TokenDroppable {
  public:
@@ -71,13 +149,15 @@ class GPTBlockImpl : public torch::nn::Module, public compression::Compressible,
   std::vector<compression::Site> compression_sites() override;
   int64_t droppable_index() const override { return index; }
   int64_t droppable_count() const override { return n_layer; }
-  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  Norm ln1{nullptr}, ln2{nullptr}, q_norm{nullptr}, k_norm{nullptr};  // q/k norms: qk_norm only
   torch::nn::Linear qkv{nullptr}, attn_proj{nullptr}, fc{nullptr}, mlp_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
-  int64_t n_head;
+  int64_t n_head, n_kv_head, head_dim;
   int64_t index;  // the block's place in the stack (GPT-2's h.<index>)
   int64_t n_layer;
   std::string gelu_approximate;
+  bool swiglu;
+  RopeTables rope;  // undefined tensors with learned positions
   compression::SiteState qkv_q, attn_proj_q, fc_q, mlp_proj_q;
 };
 TORCH_MODULE(GPTBlock);
@@ -90,7 +170,7 @@ class GPTHeadImpl : public torch::nn::Module, public compression::Compressible {
   at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> logits [B, T, vocab]
   // An untied head is a linear layer ("head", GPT-2's "lm_head"); a tied one has none of its own.
   std::vector<compression::Site> compression_sites() override;
-  torch::nn::LayerNorm ln_f{nullptr};
+  Norm ln_f{nullptr};
   at::Tensor weight;
   bool is_tied;
   int64_t vocab;
@@ -113,12 +193,14 @@ class GPTBlockTPImpl : public torch::nn::Module {
  public:
   GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPtr& tp);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};  // replicated
+  Norm ln1{nullptr}, ln2{nullptr}, q_norm{nullptr}, k_norm{nullptr};  // replicated
   tensor_parallel::ColumnParallelLinear qkv{nullptr}, fc{nullptr};
   tensor_parallel::RowParallelLinear attn_proj{nullptr}, mlp_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
-  int64_t local_heads;
+  int64_t local_heads, local_kv_heads, head_dim;
   std::string gelu_approximate;
+  bool swiglu;
+  RopeTables rope;
 };
 TORCH_MODULE(GPTBlockTP);
 
@@ -127,7 +209,7 @@ class GPTHeadTPImpl : public torch::nn::Module {
   // `tied`: the vocabulary-parallel embedding's weight slice, or undefined.
   GPTHeadTPImpl(const GPTHead& dense, const at::Tensor& tied, const comm::CommunicatorPtr& tp);
   at::Tensor forward(const at::Tensor& x);  // -> this rank's logits [B, T, vocab/tp]
-  torch::nn::LayerNorm ln_f{nullptr};
+  Norm ln_f{nullptr};
   at::Tensor weight;  // [vocab/tp, d]
   comm::CommunicatorPtr tp;
 };

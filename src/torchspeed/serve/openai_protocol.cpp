@@ -212,8 +212,8 @@ CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
   return r;
 }
 
-std::string chat_prompt(const json& messages) {
-  std::string out;
+json chat_messages(const json& messages) {
+  json out = json::array();
   for (size_t i = 0; i < messages.size(); ++i) {
     const json& m = messages[i];
     const std::string f = "messages[" + std::to_string(i) + "]";
@@ -241,7 +241,16 @@ std::string chat_prompt(const json& messages) {
     for (const auto& [k, v] : m.items()) {
       if (k != "role" && k != "content") bad(f + "." + k, "not supported");
     }
-    out += "<|" + (role == "developer" ? std::string("system") : role) + "|>\n" + content + "\n";
+    out.push_back({{"role", role}, {"content", content}});
+  }
+  return out;
+}
+
+std::string chat_prompt(const json& messages) {
+  std::string out;
+  for (const json& m : chat_messages(messages)) {
+    const std::string role = m.at("role").get<std::string>();
+    out += "<|" + (role == "developer" ? std::string("system") : role) + "|>\n" + m.at("content").get<std::string>() + "\n";
   }
   return out + "<|assistant|>\n";
 }
@@ -267,8 +276,23 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
   if (!present(b, "messages") || !b.at("messages").is_array() || b.at("messages").empty()) {
     bad("messages", "required: a non-empty list of {role, content}");
   }
-  r.params.stop.push_back(kChatStop);
-  add_prompt(r, encode(l, chat_prompt(b.at("messages"))), "messages", l);
+  if (l.chat && l.chat->tmpl) {
+    // The model's own template, as transformers' apply_chat_template(add_generation_prompt=True).
+    json ctx = l.chat->context;
+    ctx["messages"] = chat_messages(b.at("messages"));
+    ctx["add_generation_prompt"] = true;
+    std::string text;
+    try {
+      text = l.chat->tmpl->render(ctx);
+    } catch (const std::exception& e) {
+      bad("messages", std::string("the model's chat template refused them: ") + e.what());
+    }
+    r.params.stop_token_ids = l.chat->stop_ids;
+    add_prompt(r, encode(l, text), "messages", l);
+  } else {
+    r.params.stop.push_back(kChatStop);
+    add_prompt(r, encode(l, chat_prompt(b.at("messages"))), "messages", l);
+  }
   check_choices(r, l);
   return r;
 }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/tokenizer.h"
 #include "torchspeed/inference/engine.h"
 
@@ -33,10 +34,15 @@ struct ProtocolLimits {
   int64_t max_tokens = 0;      // per choice; 0: up to the context
   int64_t max_n = 16;          // choices per request (prompts x n)
   data::TokenizerPtr tokenizer;  // text <-> token ids; null: bytes
+  // The model's own chat template and end-of-turn tokens; null or without a template: ours.
+  data::ChatFormatPtr chat;
 };
 
-// The chat template: "<|system|>\n...\n<|user|>\n...\n<|assistant|>\n" per message, then
-// "<|assistant|>\n"; generation stops at "<|" (the start of the next turn).
+// The messages checked field by field and normalised to [{role, content: string}] (text parts
+// joined), as chat templates read them.
+nlohmann::json chat_messages(const nlohmann::json& messages);
+// Our chat template, for models without one: "<|system|>\n...\n<|user|>\n...\n<|assistant|>\n"
+// per message, then "<|assistant|>\n"; generation stops at "<|" (the start of the next turn).
 std::string chat_prompt(const nlohmann::json& messages);
 inline constexpr const char* kChatStop = "<|";
 

@@ -99,6 +99,7 @@ struct Server::Impl {
   httplib::Server http;
   std::thread thread;
   std::atomic<inference::Engine*> engine{nullptr};
+  data::ChatFormatPtr chat;  // set before the engine is published
   std::atomic<bool> draining{false};
   std::atomic<int> inflight{0};
   std::atomic<uint64_t> next_id{1}, rejected{0};
@@ -114,6 +115,7 @@ struct Server::Impl {
     l.context_length = e.context_length();
     l.vocab = e.model().config().vocab;
     l.tokenizer = e.tokenizer();
+    l.chat = chat;
     l.max_tokens = o.max_tokens();
     // A request's choices enter the queue together: more than it holds could never be served.
     l.max_n = std::max<int64_t>(1, std::min(o.max_n(), e.options().max_queue()));
@@ -340,6 +342,8 @@ void Server::start() {
 int Server::port() const { return impl_->bound_port; }
 
 void Server::set_engine(inference::Engine* engine) { impl_->engine = engine; }
+
+void Server::set_chat_format(data::ChatFormatPtr chat) { impl_->chat = std::move(chat); }
 
 void Server::shutdown() {
   Impl& s = *impl_;

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/inference/engine.h"
 
 namespace torchspeed::serve {
@@ -35,6 +36,8 @@ class Server {
   void start();
   int port() const;  // the bound port (options.port 0 picks a free one)
   void set_engine(inference::Engine* engine);
+  // The model's chat format (its template and end-of-turn tokens); set before set_engine.
+  void set_chat_format(data::ChatFormatPtr chat);
   // Stops taking requests (503), lets the engine finish what it has, waits for responses to
   // be written, then stops listening. The engine's stop(true) is called here.
   void shutdown();

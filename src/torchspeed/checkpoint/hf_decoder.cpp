@@ -1,0 +1,379 @@
+// Hugging Face Llama / Mistral / Qwen2 / Qwen3 folders: config.json <-> our model section,
+// tensor names and fused layouts.
+#include "torchspeed/checkpoint/hf_decoder.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <regex>
+
+#include "torchspeed/checkpoint/hf_gpt2.h"
+#include "torchspeed/config/config.h"
+#include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/file.h"
+
+namespace torchspeed::checkpoint::hf {
+namespace fs = std::filesystem;
+
+// Note [Decoder names]
+// Ours (torch.nn.Linear weights [out, in])      transformers (model.layers.{i}. before the block's)
+//   embed.tok.weight [V, d]                      model.embed_tokens.weight
+//   block{i}.ln1.weight                          input_layernorm.weight
+//   block{i}.qkv.{weight,bias} [(H+2KV)hd, d]    self_attn.{q,k,v}_proj.{weight,bias}, rows stacked q, k, v
+//   block{i}.q_norm.weight, k_norm.weight        self_attn.q_norm.weight, self_attn.k_norm.weight (Qwen3)
+//   block{i}.attn_proj.{weight,bias}             self_attn.o_proj.{weight,bias}
+//   block{i}.ln2.weight                          post_attention_layernorm.weight
+//   block{i}.fc.{weight,bias} [2 ff, d]          mlp.{gate,up}_proj.{weight,bias}, rows stacked gate, up
+//   block{i}.mlp_proj.{weight,bias}              mlp.down_proj.{weight,bias}
+//   head.ln_f.weight                             model.norm.weight
+//   head.weight (untied heads only)              lm_head.weight
+// q and k rows keep transformers' order (the rotate-half convention), so no permutation.
+namespace {
+
+const char* const kFamilies[] = {"llama", "mistral", "qwen2", "qwen3"};
+
+struct Reader {
+  const nlohmann::json& j;
+  const std::string& source;
+  bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
+  int64_t integer(const char* key, int64_t fallback = -1) const {
+    if (!has(key)) {
+      TS_CHECK(fallback >= 0, source, ": \"", key, "\" is missing");
+      return fallback;
+    }
+    const auto& v = j.at(key);
+    TS_CHECK(v.is_number_integer() && v.get<int64_t>() > 0, source, ": \"", key, "\" must be a positive integer, got ",
+             v.dump());
+    return v.get<int64_t>();
+  }
+  double number(const char* key, double fallback) const {
+    if (!has(key)) return fallback;
+    TS_CHECK(j.at(key).is_number(), source, ": \"", key, "\" must be a number, got ", j.at(key).dump());
+    return j.at(key).get<double>();
+  }
+  bool boolean(const char* key, bool fallback) const {
+    if (!has(key)) return fallback;
+    TS_CHECK(j.at(key).is_boolean(), source, ": \"", key, "\" must be true or false, got ", j.at(key).dump());
+    return j.at(key).get<bool>();
+  }
+  std::string string(const char* key, const std::string& fallback) const {
+    if (!has(key)) return fallback;
+    TS_CHECK(j.at(key).is_string(), source, ": \"", key, "\" must be a string, got ", j.at(key).dump());
+    return j.at(key).get<std::string>();
+  }
+};
+
+// The rope settings: transformers 5 writes "rope_parameters" {rope_type, rope_theta, factor, ...};
+// 4.x wrote "rope_theta" and "rope_scaling" {type or rope_type, factor, ...}.
+void read_rope(const nlohmann::json& h, const std::string& source, int64_t seq_len, nlohmann::json& m) {
+  const Reader top{h, source};
+  nlohmann::json params = nlohmann::json::object();
+  std::string where = "rope_scaling";
+  if (top.has("rope_parameters")) {
+    params = h.at("rope_parameters");
+    where = "rope_parameters";
+  } else if (top.has("rope_scaling")) {
+    params = h.at("rope_scaling");
+  }
+  TS_CHECK(params.is_object(), source, ": \"", where, "\" must be an object, got ", params.dump());
+  const std::string src = source + " " + where;
+  const Reader r{params, src};
+  double theta = top.number("rope_theta", 10000.0);
+  theta = r.number("rope_theta", theta);
+  m["rope_theta"] = theta;
+  const double partial = r.number("partial_rotary_factor", top.number("partial_rotary_factor", 1.0));
+  TS_CHECK(partial == 1.0, source, ": \"partial_rotary_factor\" ", partial,
+           " is not supported (rotary positions over the whole head only)");
+  std::string type = r.string("rope_type", r.string("type", "default"));
+  if (type == "default") return;
+  TS_CHECK(type == "linear" || type == "llama3" || type == "yarn", src, ": \"rope_type\" \"", type,
+           "\" is not supported (default, linear, llama3 and yarn are)");
+  nlohmann::json s = {{"type", type}, {"factor", r.number("factor", 1.0)}};
+  TS_CHECK(r.has("factor"), src, ": \"factor\" is missing");
+  if (type == "llama3" || type == "yarn") {
+    s["original_max_position_embeddings"] =
+        r.integer("original_max_position_embeddings", top.integer("original_max_position_embeddings", seq_len));
+  }
+  if (type == "llama3") {
+    s["low_freq_factor"] = r.number("low_freq_factor", 1.0);
+    s["high_freq_factor"] = r.number("high_freq_factor", 4.0);
+  }
+  if (type == "yarn") {
+    TS_CHECK(!r.has("mscale") && !r.has("mscale_all_dim"), src,
+             ": \"mscale\" / \"mscale_all_dim\" (DeepSeek's yarn) are not supported");
+    s["beta_fast"] = r.number("beta_fast", 32.0);
+    s["beta_slow"] = r.number("beta_slow", 1.0);
+    if (r.has("attention_factor")) s["attention_factor"] = r.number("attention_factor", 0.0);
+    s["truncate"] = r.boolean("truncate", true);
+  }
+  m["rope_scaling"] = s;
+}
+
+std::string family_of(const nlohmann::json& m) {
+  if (m.value("qk_norm", false)) return "qwen3";
+  const bool qkv = m.value("qkv_bias", true), out = m.value("attn_out_bias", true), mlp = m.value("mlp_bias", true);
+  if (qkv && !out && !mlp) return "qwen2";
+  const std::string f = m.value("family", std::string());
+  if (f == "mistral" && !qkv && !out && !mlp) return "mistral";
+  return "llama";
+}
+
+std::string layer_prefix(int64_t i) { return concat("model.layers.", i, "."); }
+
+}  // namespace
+
+bool is_decoder_family(const std::string& t) {
+  return std::find(std::begin(kFamilies), std::end(kFamilies), t) != std::end(kFamilies);
+}
+
+nlohmann::json model_section_from_decoder(const nlohmann::json& h, const std::string& source) {
+  TS_CHECK(h.is_object(), source, ": expected a JSON object");
+  const Reader r{h, source};
+  const std::string type = r.string("model_type", "");
+  TS_CHECK(is_decoder_family(type), source, ": \"model_type\" is \"", type,
+           "\"; torchspeed runs gpt2, llama (Llama 1-3.2, SmolLM), mistral, qwen2 and qwen3; this one would need its ",
+           "architecture added to the model description (models/gpt.h)");
+  nlohmann::json m;
+  m["family"] = type;
+  m["vocab"] = r.integer("vocab_size");
+  m["seq_len"] = r.integer("max_position_embeddings", 2048);
+  const int64_t d = r.integer("hidden_size"), heads = r.integer("num_attention_heads");
+  m["d_model"] = d;
+  m["n_layer"] = r.integer("num_hidden_layers");
+  m["n_head"] = heads;
+  const int64_t kv = r.integer("num_key_value_heads", heads);
+  TS_CHECK(heads % kv == 0, source, ": \"num_attention_heads\" ", heads, " is not a multiple of \"num_key_value_heads\" ", kv);
+  if (kv != heads) m["n_kv_head"] = kv;
+  const int64_t hd = r.has("head_dim") ? r.integer("head_dim") : d / heads;
+  TS_CHECK(r.has("head_dim") || d % heads == 0, source, ": \"hidden_size\" ", d, " is not a multiple of \"num_attention_heads\" ",
+           heads, " and there is no \"head_dim\"");
+  if (hd * heads != d || r.has("head_dim")) m["head_dim"] = hd;
+  m["d_ff"] = r.integer("intermediate_size");
+  const std::string act = r.string("hidden_act", "silu");
+  TS_CHECK(act == "silu" || act == "swish", source, ": \"hidden_act\" is \"", act,
+           "\"; the ", type, " MLP torchspeed computes is SwiGLU (silu)");
+  m["activation"] = "swiglu";
+  m["norm"] = "rmsnorm";
+  m["layer_norm_eps"] = r.number("rms_norm_eps", 1e-6);
+  m["positions"] = "rope";
+  read_rope(h, source, m["seq_len"].get<int64_t>(), m);
+  m["tie_embeddings"] = r.boolean("tie_word_embeddings", false);
+  const double attn_drop = r.number("attention_dropout", 0.0);
+  TS_CHECK(attn_drop == 0.0, source, ": \"attention_dropout\" ", attn_drop,
+           " is not supported (torchspeed's dropout rate applies to residual paths too); set it to 0");
+  m["dropout"] = 0.0;
+  bool qkv_bias = false, out_bias = false, mlp_bias = false;
+  if (type == "llama") {
+    qkv_bias = out_bias = r.boolean("attention_bias", false);
+    mlp_bias = r.boolean("mlp_bias", false);
+  } else if (type == "qwen2") {
+    qkv_bias = true;  // Qwen2's q/k/v projections always have biases, o_proj none
+  } else if (type == "qwen3") {
+    qkv_bias = out_bias = r.boolean("attention_bias", false);
+    m["qk_norm"] = true;
+  }
+  if (type == "mistral") {
+    TS_CHECK(!r.has("sliding_window"), source, ": \"sliding_window\" is ", h.at("sliding_window").dump(),
+             "; torchspeed attends to the whole context, so a sliding-window Mistral would give other results: ",
+             "set it to null for a model trained without one (Mistral 7B v0.2 and later)");
+  }
+  if (type == "qwen2" || type == "qwen3") {
+    TS_CHECK(!r.boolean("use_sliding_window", false), source,
+             ": \"use_sliding_window\": true is not supported (torchspeed attends to the whole context)");
+  }
+  m["qkv_bias"] = qkv_bias;
+  m["attn_out_bias"] = out_bias;
+  m["mlp_bias"] = mlp_bias;
+  return m;
+}
+
+nlohmann::json decoder_config(const nlohmann::json& m, const nlohmann::json& hf_config, int64_t eos) {
+  const std::string family = family_of(m);
+  static const std::map<std::string, const char*> arch = {{"llama", "LlamaForCausalLM"},
+                                                         {"mistral", "MistralForCausalLM"},
+                                                         {"qwen2", "Qwen2ForCausalLM"},
+                                                         {"qwen3", "Qwen3ForCausalLM"}};
+  nlohmann::json h = hf_config.is_object() && hf_config.value("model_type", std::string()) == family ? hf_config
+                                                                                                      : nlohmann::json::object();
+  // What we compute decides these keys; the folder's others (token ids, ...) stay as they were.
+  for (const char* k : {"rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype", "transformers_version"}) {
+    h.erase(k);
+  }
+  const int64_t heads = m.at("n_head").get<int64_t>(), d = m.at("d_model").get<int64_t>();
+  h["architectures"] = {arch.at(family)};
+  h["model_type"] = family;
+  h["vocab_size"] = m.at("vocab");
+  h["max_position_embeddings"] = m.at("seq_len");
+  h["hidden_size"] = d;
+  h["num_hidden_layers"] = m.at("n_layer");
+  h["num_attention_heads"] = heads;
+  h["num_key_value_heads"] = m.value("n_kv_head", int64_t{0}) > 0 ? m.at("n_kv_head").get<int64_t>() : heads;
+  h["head_dim"] = m.value("head_dim", int64_t{0}) > 0 ? m.at("head_dim").get<int64_t>() : d / heads;
+  h["intermediate_size"] = m.value("d_ff", int64_t{0}) > 0 ? m.at("d_ff").get<int64_t>() : 4 * d;
+  h["hidden_act"] = "silu";
+  h["rms_norm_eps"] = m.value("layer_norm_eps", 1e-6);
+  h["tie_word_embeddings"] = m.value("tie_embeddings", false);
+  h["attention_dropout"] = 0.0;
+  h["initializer_range"] = h.value("initializer_range", 0.02);
+  h["use_cache"] = true;
+  h["rope_theta"] = m.value("rope_theta", 10000.0);
+  if (m.contains("rope_scaling")) {
+    const auto& s = m.at("rope_scaling");
+    nlohmann::json rs = {{"rope_type", s.at("type")}, {"factor", s.at("factor")}};
+    const std::string t = s.at("type").get<std::string>();
+    if (t == "llama3" || t == "yarn") rs["original_max_position_embeddings"] = s.at("original_max_position_embeddings");
+    if (t == "llama3") {
+      rs["low_freq_factor"] = s.at("low_freq_factor");
+      rs["high_freq_factor"] = s.at("high_freq_factor");
+    }
+    if (t == "yarn") {
+      rs["beta_fast"] = s.at("beta_fast");
+      rs["beta_slow"] = s.at("beta_slow");
+      if (s.value("attention_factor", 0.0) > 0) rs["attention_factor"] = s.at("attention_factor");
+      rs["truncate"] = s.value("truncate", true);
+    }
+    h["rope_scaling"] = rs;
+  }
+  const bool qkv = m.value("qkv_bias", true), out = m.value("attn_out_bias", true), mlp = m.value("mlp_bias", true);
+  if (family == "llama") {
+    TS_CHECK(qkv == out, "model.qkv_bias ", qkv, " and attn_out_bias ", out,
+             " differ: no Hugging Face family has that combination with qk_norm false");
+    h["attention_bias"] = qkv;
+    h["mlp_bias"] = mlp;
+  } else if (family == "qwen3") {
+    TS_CHECK(qkv == out && !mlp, "model.qk_norm with qkv_bias ", qkv, ", attn_out_bias ", out, ", mlp_bias ", mlp,
+             " is no Qwen3 (attention_bias covers q/k/v and o, the MLP has none)");
+    h["attention_bias"] = qkv;
+  } else if (family == "mistral") {
+    h["sliding_window"] = nullptr;
+  }
+  if (family == "qwen2" || family == "qwen3") h["use_sliding_window"] = false;
+  if (eos >= 0 && !h.contains("eos_token_id")) h["eos_token_id"] = eos;
+  return h;
+}
+
+Model load_decoder(const std::string& dir) {
+  const std::string cfg_path = (fs::path(dir) / "config.json").string();
+  const nlohmann::json h = config::read_json_file(cfg_path);
+  Model out;
+  const nlohmann::json m = model_section_from_decoder(h, cfg_path);
+  out.config["model"] = m;
+  out.config["hf_config"] = h;
+  const bool tied = m.at("tie_embeddings").get<bool>();
+  const int64_t n_layer = m.at("n_layer").get<int64_t>();
+  // Every tensor by its Hugging Face name, then assembled in model order.
+  std::map<std::string, at::Tensor> hf;
+  std::map<std::string, std::string> file_of;
+  const std::vector<std::string> files = safetensors_files(dir);
+  for (const std::string& file : files) {
+    auto f = load_safetensors(file);
+    for (auto& [name, t] : f.tensors) {
+      static const std::string inv_freq = ".rotary_emb.inv_freq";  // a buffer old checkpoints carry
+      if (name.size() > inv_freq.size() && name.compare(name.size() - inv_freq.size(), inv_freq.size(), inv_freq) == 0) continue;
+      file_of[name] = file;
+      hf[name] = std::move(t);
+    }
+  }
+  out.source = files.size() == 1 ? files[0] : dir;
+  auto take = [&](const std::string& name) {
+    const auto it = hf.find(name);
+    TS_CHECK(it != hf.end(), out.source, ": tensor \"", name, "\" is missing (a ", m.at("family").get<std::string>(),
+             " model of ", n_layer, " layers has it)");
+    at::Tensor t = it->second.to(at::kFloat).contiguous();
+    hf.erase(it);
+    return t;
+  };
+  auto add = [&](const std::string& ours, const at::Tensor& t) { out.params.emplace_back(ours, t); };
+  add("embed.tok.weight", take("model.embed_tokens.weight"));
+  const bool qkv_bias = m.at("qkv_bias").get<bool>(), out_bias = m.at("attn_out_bias").get<bool>(),
+             mlp_bias = m.at("mlp_bias").get<bool>(), qk_norm = m.value("qk_norm", false);
+  for (int64_t i = 0; i < n_layer; ++i) {
+    const std::string p = layer_prefix(i), b = concat("block", i, ".");
+    const std::string a = p + "self_attn.", f = p + "mlp.";
+    add(b + "ln1.weight", take(p + "input_layernorm.weight"));
+    add(b + "qkv.weight", at::cat({take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")}));
+    if (qkv_bias) add(b + "qkv.bias", at::cat({take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")}));
+    if (qk_norm) {
+      add(b + "q_norm.weight", take(a + "q_norm.weight"));
+      add(b + "k_norm.weight", take(a + "k_norm.weight"));
+    }
+    add(b + "attn_proj.weight", take(a + "o_proj.weight"));
+    if (out_bias) add(b + "attn_proj.bias", take(a + "o_proj.bias"));
+    add(b + "ln2.weight", take(p + "post_attention_layernorm.weight"));
+    add(b + "fc.weight", at::cat({take(f + "gate_proj.weight"), take(f + "up_proj.weight")}));
+    if (mlp_bias) add(b + "fc.bias", at::cat({take(f + "gate_proj.bias"), take(f + "up_proj.bias")}));
+    add(b + "mlp_proj.weight", take(f + "down_proj.weight"));
+    if (mlp_bias) add(b + "mlp_proj.bias", take(f + "down_proj.bias"));
+  }
+  add("head.ln_f.weight", take("model.norm.weight"));
+  if (!tied) {
+    add("head.weight", take("lm_head.weight"));
+  } else {
+    hf.erase("lm_head.weight");  // a tied head saved anyway: the embedding is the head
+  }
+  if (!hf.empty()) {
+    TS_CHECK(false, file_of[hf.begin()->first], ": tensor \"", hf.begin()->first, "\" is not part of a ",
+             m.at("family").get<std::string>(), " model with this config.json (", hf.size(), " such tensors)");
+  }
+  return out;
+}
+
+int64_t save_decoder(const std::string& dir, const NamedTensors& params, const nlohmann::json& m,
+                     const nlohmann::json& hf_config, at::ScalarType dtype, const std::string& tokenizer_dir, int64_t eos) {
+  TS_CHECK(m.value("positions", std::string("learned")) == "rope" && m.value("norm", std::string()) == "rmsnorm" &&
+               m.value("activation", std::string()) == "swiglu",
+           "the model (", m.dump(), ") is not Llama-shaped (rotary positions, RMSNorm, SwiGLU): no Hugging Face ",
+           "decoder family to write it as");
+  const nlohmann::json h = decoder_config(m, hf_config, eos);
+  const int64_t heads = h.at("num_attention_heads").get<int64_t>(), kv = h.at("num_key_value_heads").get<int64_t>(),
+                hd = h.at("head_dim").get<int64_t>(), ff = h.at("intermediate_size").get<int64_t>();
+  const bool tied = h.at("tie_word_embeddings").get<bool>();
+  NamedTensors out;
+  auto put = [&](const std::string& name, const at::Tensor& t) { out.emplace_back(name, t.to(dtype).contiguous()); };
+  static const std::regex block(R"(block(\d+)\.(\w+)\.(weight|bias))");
+  for (const auto& [name, t] : params) {
+    std::smatch mt;
+    if (name == "embed.tok.weight") {
+      put("model.embed_tokens.weight", t);
+    } else if (name == "head.ln_f.weight") {
+      put("model.norm.weight", t);
+    } else if (name == "head.weight") {
+      if (!tied) put("lm_head.weight", t);
+    } else if (std::regex_match(name, mt, block)) {
+      const std::string p = layer_prefix(std::stoll(mt[1].str())), part = mt[2].str(), kind = mt[3].str();
+      if (part == "ln1") {
+        put(p + "input_layernorm." + kind, t);
+      } else if (part == "ln2") {
+        put(p + "post_attention_layernorm." + kind, t);
+      } else if (part == "qkv") {
+        put(p + "self_attn.q_proj." + kind, t.narrow(0, 0, heads * hd));
+        put(p + "self_attn.k_proj." + kind, t.narrow(0, heads * hd, kv * hd));
+        put(p + "self_attn.v_proj." + kind, t.narrow(0, (heads + kv) * hd, kv * hd));
+      } else if (part == "q_norm" || part == "k_norm") {
+        put(p + "self_attn." + part + "." + kind, t);
+      } else if (part == "attn_proj") {
+        put(p + "self_attn.o_proj." + kind, t);
+      } else if (part == "fc") {
+        put(p + "mlp.gate_proj." + kind, t.narrow(0, 0, ff));
+        put(p + "mlp.up_proj." + kind, t.narrow(0, ff, ff));
+      } else if (part == "mlp_proj") {
+        put(p + "mlp.down_proj." + kind, t);
+      } else {
+        TS_CHECK(false, "parameter '", name, "' has no counterpart in a ", h.at("model_type").get<std::string>(), " model");
+      }
+    } else {
+      TS_CHECK(false, "parameter '", name, "' has no counterpart in a ", h.at("model_type").get<std::string>(), " model");
+    }
+  }
+  fs::create_directories(dir);
+  nlohmann::json cfg = h;
+  cfg["torch_dtype"] = dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32";
+  const auto digest = save_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
+  write_file_atomic((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
+  copy_tokenizer_files(dir, tokenizer_dir);
+  return digest.bytes;
+}
+
+}  // namespace torchspeed::checkpoint::hf

@@ -1,0 +1,35 @@
+#!/bin/sh
+# A real model, SmolLM2-135M-Instruct from its Q4_1 GGUF (scripts/smollm2), against transformers
+# reading the same file (dequantized to fp32): the GGUF's own tokenizer gives Hugging Face's ids
+# on the fortunes corpus and on a multilingual/emoji/code text; logits equal on our training and
+# serving paths; `torchspeed serve` gives the prompt's log-probabilities and 64 greedy tokens as
+# transformers does, and through the model's own chat template answers "What is the capital of
+# France?" with transformers' answer, which names Paris.
+# usage: smollm2.sh PYTHON TORCHSPEED MODEL_LOGITS ENCODE_FILES
+set -eu
+py=$1 cli=$2 logits=$3 encode=$4
+here=$(cd "$(dirname "$0")" && pwd)
+gguf=$("$here/../../scripts/smollm2")
+rm -rf hf_smollm2 && mkdir hf_smollm2 && cd hf_smollm2
+cat > multilingual.txt <<'TEXT'
+Grüße aus Zürich! Ça va? Καλημέρα κόσμε. Привет, мир! こんにちは世界 你好，世界 안녕하세요 🎉👍🏽
+3.14159 and 1,000,000 $5.99 -- 12345678901234567890
+def f(x):
+	return x ** 2  # square
+    if x != 0: print(f"{x:>10}")
+<|im_start|>user
+Hi<|im_end|>
+TEXT
+set -- multilingual.txt
+for f in /usr/share/games/fortunes/*; do
+  case "$f" in *.dat|*.u8) continue ;; esac
+  [ -f "$f" ] && [ ! -L "$f" ] && set -- "$@" "$f"
+done
+"$encode" "$gguf" ids.json "$@"
+"$py" "$here/families_parity.py" tokens "$gguf" ids.json
+head -c 400 /usr/share/games/fortunes/fortunes > text.txt
+"$logits" "$gguf" text.txt ours.safetensors
+"$py" "$here/families_parity.py" logits "$gguf" ours.safetensors --tol 2e-3
+"$py" "$here/families_parity.py" serve "$gguf" --cli "$cli" --text text.txt --tol 2e-3 \
+  --chat "What is the capital of France?" --expect Paris
+echo HF_SMOLLM2_PASSED
