@@ -9,6 +9,11 @@
 #include <fstream>
 #include <sstream>
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <unicode/unorm2.h>
+#include <unicode/ustring.h>
+
 #include "torchspeed/checkpoint/gguf.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/file.h"
@@ -131,6 +136,176 @@ std::string pair_key(const std::string& a, const std::string& b) { return a + '\
 
 }  // namespace
 
+// Note [Pre-tokenizer steps]
+// What `tokenizers` composes in a pre_tokenizer Sequence, applied in order, each to every piece
+// the steps before made: Split with a regex (behavior Isolated: matches and the text between
+// them are pieces; Removed: matches dropped), Digits (individual_digits: each number character a
+// piece), and ByteLevel (use_regex: GPT-2's pattern; without it no split). Regexes run on PCRE2
+// in UTF mode with Unicode properties (PCRE2_UCP), as Oniguruma does for `tokenizers`.
+struct BpeTokenizer::PreStep {
+  enum class Kind { kGpt2, kDigits, kRegex } kind = Kind::kGpt2;
+  bool removed = false;
+  std::string pattern;
+  std::shared_ptr<pcre2_code> re;
+  std::vector<std::string> split(const std::string& text) const;
+};
+
+namespace {
+// The patterns llama.cpp names in tokenizer.ggml.pre, as the models' tokenizer.json spell them.
+const char* const kLlama3Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+const char* const kQwen2Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+std::shared_ptr<const BpeTokenizer::PreStep> step_of(BpeTokenizer::PreStep::Kind k) {
+  auto st = std::make_shared<BpeTokenizer::PreStep>();
+  st->kind = k;
+  return st;
+}
+
+std::shared_ptr<const BpeTokenizer::PreStep> regex_step(const std::string& pattern, bool removed, const std::string& source) {
+  auto st = std::make_shared<BpeTokenizer::PreStep>();
+  st->kind = BpeTokenizer::PreStep::Kind::kRegex;
+  st->removed = removed;
+  st->pattern = pattern;
+  int err = 0;
+  PCRE2_SIZE offset = 0;
+  pcre2_code* re = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err,
+                                 &offset, nullptr);
+  if (!re) {
+    PCRE2_UCHAR msg[256];
+    pcre2_get_error_message(err, msg, sizeof(msg));
+    TS_CHECK(false, source, ": the pre-tokenizer pattern does not compile at offset ", offset, ": ",
+             reinterpret_cast<const char*>(msg), " (pattern ", pattern, ")");
+  }
+  pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);  // optional: falls back to the interpreter
+  st->re = std::shared_ptr<pcre2_code>(re, pcre2_code_free);
+  return st;
+}
+
+// Whether s is valid UTF-8 (PCRE2 in UTF mode refuses anything else).
+bool valid_utf8(const std::string& s) {
+  for (const CodePoint& c : code_points(s)) {
+    if (c.cp == kInvalid) return false;
+  }
+  return true;
+}
+
+// NFC of valid UTF-8 text through ICU; text that is not valid UTF-8 is returned as it is.
+std::string nfc(const std::string& text) {
+  bool ascii = true;
+  for (unsigned char c : text) ascii = ascii && c < 0x80;
+  if (ascii || !valid_utf8(text)) return text;
+  UErrorCode err = U_ZERO_ERROR;
+  const UNormalizer2* n = unorm2_getNFCInstance(&err);
+  TS_CHECK(U_SUCCESS(err), "ICU: no NFC normalizer: ", u_errorName(err));
+  int32_t len16 = 0;
+  u_strFromUTF8(nullptr, 0, &len16, text.data(), static_cast<int32_t>(text.size()), &err);
+  err = U_ZERO_ERROR;
+  std::vector<UChar> u16(static_cast<size_t>(len16) + 1);
+  u_strFromUTF8(u16.data(), len16 + 1, nullptr, text.data(), static_cast<int32_t>(text.size()), &err);
+  TS_CHECK(U_SUCCESS(err), "ICU: UTF-8 to UTF-16: ", u_errorName(err));
+  int32_t cap = len16 * 3 + 16;
+  std::vector<UChar> norm(static_cast<size_t>(cap));
+  const int32_t nlen = unorm2_normalize(n, u16.data(), len16, norm.data(), cap, &err);
+  TS_CHECK(U_SUCCESS(err), "ICU: NFC: ", u_errorName(err));
+  int32_t len8 = 0;
+  u_strToUTF8(nullptr, 0, &len8, norm.data(), nlen, &err);
+  err = U_ZERO_ERROR;
+  std::string out(static_cast<size_t>(len8), '\0');
+  u_strToUTF8(out.data(), len8, nullptr, norm.data(), nlen, &err);
+  TS_CHECK(U_SUCCESS(err) || err == U_STRING_NOT_TERMINATED_WARNING, "ICU: UTF-16 to UTF-8: ", u_errorName(err));
+  return out;
+}
+}  // namespace
+
+std::vector<std::string> BpeTokenizer::PreStep::split(const std::string& text) const {
+  if (kind == Kind::kGpt2) return BpeTokenizer::pre_tokenize(text);
+  std::vector<std::string> out;
+  if (kind == Kind::kDigits) {
+    size_t seg = 0;
+    for (const CodePoint& c : code_points(text)) {
+      if (c.cp == kInvalid || !is_number(c.cp)) continue;
+      if (c.begin > seg) out.push_back(text.substr(seg, c.begin - seg));
+      out.push_back(text.substr(c.begin, c.len));
+      seg = c.begin + c.len;
+    }
+    if (seg < text.size()) out.push_back(text.substr(seg));
+    return out;
+  }
+  // A regex: over valid UTF-8 runs (an invalid byte is a piece of its own).
+  const auto cps = code_points(text);
+  size_t i = 0;
+  std::unique_ptr<pcre2_match_data, void (*)(pcre2_match_data*)> md(pcre2_match_data_create_from_pattern(re.get(), nullptr),
+                                                                     pcre2_match_data_free);
+  while (i < cps.size()) {
+    if (cps[i].cp == kInvalid) {
+      out.push_back(text.substr(cps[i].begin, 1));
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < cps.size() && cps[j].cp != kInvalid) ++j;
+    const size_t b = cps[i].begin, e = j < cps.size() ? cps[j].begin : text.size();
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data() + b);
+    const size_t len = e - b;
+    size_t pos = 0, gap = 0;
+    while (pos <= len) {
+      const int rc = pcre2_match(re.get(), subject, len, pos, 0, md.get(), nullptr);
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      TS_CHECK(rc >= 0, "pre-tokenizer regex failed with PCRE2 error ", rc);
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
+      const size_t ms = ov[0], me = ov[1];
+      if (ms > gap) out.push_back(text.substr(b + gap, ms - gap));
+      if (me > ms && !removed) out.push_back(text.substr(b + ms, me - ms));
+      gap = me;
+      if (me == ms) {  // an empty match: step over one character
+        if (ms >= len) break;
+        size_t step = 1;
+        while (ms + step < len && (static_cast<unsigned char>(text[b + ms + step]) & 0xC0) == 0x80) ++step;
+        pos = ms + step;
+      } else {
+        pos = me;
+      }
+    }
+    if (gap < len) out.push_back(text.substr(b + gap, len - gap));
+    i = j;
+  }
+  return out;
+}
+
+std::string BpeTokenizer::normalized(const std::string& text) const {
+  if (!nfc_) return text;
+  // Added tokens are matched before normalization, as in encode.
+  std::string out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t at = std::string::npos, len = 0;
+    for (const auto& a : added_) {
+      const size_t p = text.find(a.first, start);
+      if (p < at) at = p, len = a.first.size();
+    }
+    if (at == std::string::npos) break;
+    out += nfc(text.substr(start, at - start)) + text.substr(at, len);
+    start = at + len;
+  }
+  return out + (start < text.size() ? nfc(text.substr(start)) : std::string());
+}
+
+std::vector<std::string> BpeTokenizer::pre_split(const std::string& text) const {
+  if (pre_.empty()) return pre_tokenize(text);
+  std::vector<std::string> pieces{text};
+  for (const auto& step : pre_) {
+    std::vector<std::string> next;
+    for (const auto& p : pieces) {
+      auto parts = step->split(p);
+      next.insert(next.end(), std::make_move_iterator(parts.begin()), std::make_move_iterator(parts.end()));
+    }
+    pieces.swap(next);
+  }
+  return pieces;
+}
+
 // Note [GPT-2 pre-tokenization]
 // GPT-2's pattern, as the `tokenizers` package's ByteLevel pre-tokenizer applies it:
 //   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -246,22 +421,48 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
   const auto& m = j["model"];
   TS_CHECK(m.value("type", std::string()) == "BPE", path, ": model.type is ", m.value("type", std::string("missing")),
            "; only BPE models are read");
-  bool split_digits = false;
+  // The pre-tokenizer (Note [Pre-tokenizer steps]) and the normalizer.
+  std::vector<std::shared_ptr<const PreStep>> steps;
   if (j.contains("pre_tokenizer") && j["pre_tokenizer"].is_object()) {
-    const nlohmann::json* pt = &j["pre_tokenizer"];
-    // SmolLM's Sequence [Digits (individual_digits), ByteLevel].
-    if (pt->value("type", std::string()) == "Sequence" && pt->contains("pretokenizers") &&
-        (*pt)["pretokenizers"].is_array() && (*pt)["pretokenizers"].size() == 2 && (*pt)["pretokenizers"][0].is_object() &&
-        (*pt)["pretokenizers"][0].value("type", std::string()) == "Digits") {
-      TS_CHECK((*pt)["pretokenizers"][0].value("individual_digits", false), path,
-               ": pre_tokenizer Digits without individual_digits is not supported");
-      split_digits = true;
-      pt = &(*pt)["pretokenizers"][1];
+    const auto& pt = j["pre_tokenizer"];
+    std::vector<const nlohmann::json*> list;
+    if (pt.value("type", std::string()) == "Sequence") {
+      TS_CHECK(pt.contains("pretokenizers") && pt["pretokenizers"].is_array(), path, ": pre_tokenizer.pretokenizers must be a list");
+      for (const auto& x : pt["pretokenizers"]) list.push_back(&x);
+    } else {
+      list.push_back(&pt);
     }
-    TS_CHECK(pt->is_object() && pt->value("type", std::string()) == "ByteLevel", path, ": pre_tokenizer.type is ",
-             pt->is_object() ? pt->value("type", std::string()) : pt->dump(),
-             "; GPT-2's ByteLevel (optionally after SmolLM's individual Digits) is read");
-    TS_CHECK(!pt->value("add_prefix_space", false), path, ": pre_tokenizer.add_prefix_space true is not supported");
+    for (size_t i = 0; i < list.size(); ++i) {
+      const auto& x = *list[i];
+      const std::string where = concat(path, ": pre_tokenizer step ", i);
+      TS_CHECK(x.is_object(), where, " is not an object");
+      const std::string type = x.value("type", std::string());
+      if (type == "ByteLevel") {
+        TS_CHECK(!x.value("add_prefix_space", false), where, ": ByteLevel add_prefix_space true is not supported");
+        if (x.value("use_regex", true)) steps.push_back(step_of(PreStep::Kind::kGpt2));
+      } else if (type == "Digits") {
+        TS_CHECK(x.value("individual_digits", false), where, ": Digits without individual_digits is not supported");
+        steps.push_back(step_of(PreStep::Kind::kDigits));
+      } else if (type == "Split") {
+        TS_CHECK(x.contains("pattern") && x["pattern"].is_object() && x["pattern"].contains("Regex") &&
+                     x["pattern"]["Regex"].is_string(),
+                 where, ": Split needs a {\"Regex\": ...} pattern");
+        const std::string behavior = x.value("behavior", std::string("Isolated"));
+        TS_CHECK(behavior == "Isolated" || behavior == "Removed", where, ": Split behavior \"", behavior,
+                 "\" is not supported (Isolated and Removed are)");
+        TS_CHECK(!x.value("invert", false), where, ": Split with invert true is not supported");
+        steps.push_back(regex_step(x["pattern"]["Regex"].get<std::string>(), behavior == "Removed", where));
+      } else {
+        TS_CHECK(false, where, ": type \"", type, "\" is not supported (ByteLevel, Digits, Split)");
+      }
+    }
+  }
+  bool nfc_norm = false;
+  if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+    const auto& n = j["normalizer"];
+    TS_CHECK(n.is_object() && n.value("type", std::string()) == "NFC", path, ": normalizer ",
+             n.is_object() ? n.value("type", std::string()) : n.dump(), " is not supported (none and NFC are)");
+    nfc_norm = true;
   }
   TS_CHECK(m.contains("vocab") && m["vocab"].is_object(), path, ": model.vocab must be an object");
   std::unordered_map<std::string, int64_t> vocab;
@@ -287,7 +488,10 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
     }
   }
   BpeTokenizer t(std::move(vocab), std::move(merges), path);
-  t.split_digits_ = split_digits;
+  // GPT-2's pattern alone is the default pipeline (pre_ empty).
+  if (!(steps.size() == 1 && steps[0]->kind == PreStep::Kind::kGpt2)) t.pre_ = std::move(steps);
+  t.nfc_ = nfc_norm;
+  t.ignore_merges_ = m.value("ignore_merges", false);
   if (m.contains("unk_token") && m["unk_token"].is_string()) {
     const auto it = t.vocab_.find(m["unk_token"].get<std::string>());
     if (it != t.vocab_.end()) t.unk_ = it->second;
@@ -320,8 +524,10 @@ BpeTokenizer BpeTokenizer::from_gguf(const std::string& path) {
   TS_CHECK(model == "gpt2", path, ": tokenizer.ggml.model is \"", model,
            "\"; torchspeed reads the byte-level BPE (\"gpt2\") tokenizers of GGUF files");
   const std::string pre = f.has("tokenizer.ggml.pre") ? f.string("tokenizer.ggml.pre") : "default";
-  TS_CHECK(pre == "default" || pre == "gpt-2" || pre == "gpt2" || pre == "smollm", path, ": tokenizer.ggml.pre \"", pre,
-           "\" is not supported yet (default, gpt-2 and smollm are)");
+  TS_CHECK(pre == "default" || pre == "gpt-2" || pre == "gpt2" || pre == "smollm" || pre == "llama-bpe" || pre == "llama3" ||
+               pre == "qwen2",
+           path, ": tokenizer.ggml.pre \"", pre,
+           "\" is not supported yet (default, gpt-2, smollm, llama-bpe (Llama 3) and qwen2 are)");
   TS_CHECK(md.contains("tokenizer.ggml.tokens") && md.at("tokenizer.ggml.tokens").is_array(), path,
            ": no tokenizer.ggml.tokens array");
   const auto& tokens = md.at("tokenizer.ggml.tokens");
@@ -351,7 +557,15 @@ BpeTokenizer BpeTokenizer::from_gguf(const std::string& path) {
     }
   }
   BpeTokenizer t(std::move(vocab), std::move(merges), path);
-  t.split_digits_ = pre == "smollm";
+  if (pre == "smollm") t.pre_ = {step_of(PreStep::Kind::kDigits), step_of(PreStep::Kind::kGpt2)};
+  if (pre == "llama-bpe" || pre == "llama3") {
+    t.pre_ = {regex_step(kLlama3Pattern, false, path)};
+    t.ignore_merges_ = true;  // as Llama 3's tokenizer.json
+  }
+  if (pre == "qwen2") {
+    t.pre_ = {regex_step(kQwen2Pattern, false, path)};
+    t.nfc_ = true;  // as Qwen2's tokenizer.json
+  }
   if (f.has("tokenizer.ggml.unknown_token_id")) {
     const int64_t unk = f.integer("tokenizer.ggml.unknown_token_id");
     if (unk >= 0 && unk < t.vocab_size()) t.unk_ = unk;
@@ -384,6 +598,14 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   std::vector<std::string> sym;
   sym.reserve(piece.size());
   for (unsigned char c : piece) sym.push_back(byte_to_unicode_[c]);
+  if (ignore_merges_) {  // a piece that is a token of its own is taken whole
+    std::string whole;
+    for (const auto& x : sym) whole += x;
+    if (const auto it = vocab_.find(whole); it != vocab_.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
   // Merge the lowest-ranked adjacent pair, every occurrence left to right, until none is left.
   while (sym.size() > 1) {
     int best = INT_MAX;
@@ -419,25 +641,9 @@ void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) cons
   }
 }
 
-void BpeTokenizer::encode_plain(const std::string& text, std::vector<int64_t>& out) const {
-  if (!split_digits_) {
-    for (const auto& piece : pre_tokenize(text)) bpe(piece, out);
-    return;
-  }
-  // Each number character alone, the text between them through the pattern.
-  const auto cps = code_points(text);
-  size_t seg = 0;
-  for (const CodePoint& c : cps) {
-    if (c.cp == kInvalid || !is_number(c.cp)) continue;
-    if (c.begin > seg) {
-      for (const auto& piece : pre_tokenize(text.substr(seg, c.begin - seg))) bpe(piece, out);
-    }
-    bpe(text.substr(c.begin, c.len), out);
-    seg = c.begin + c.len;
-  }
-  if (seg < text.size()) {
-    for (const auto& piece : pre_tokenize(text.substr(seg))) bpe(piece, out);
-  }
+void BpeTokenizer::encode_plain(const std::string& raw, std::vector<int64_t>& out) const {
+  const std::string text = nfc_ ? nfc(raw) : raw;
+  for (const auto& piece : pre_split(text)) bpe(piece, out);
 }
 
 std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {

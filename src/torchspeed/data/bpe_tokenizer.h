@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -34,6 +35,7 @@ class BpeTokenizer : public Tokenizer {
   // matched literally before pre-tokenization, as Hugging Face's tokenizers do.
   std::vector<int64_t> encode(const std::string& text) const override;
   std::string token_bytes(int64_t id) const override;
+  std::string normalized(const std::string& text) const override;
   int64_t vocab_size() const override { return static_cast<int64_t>(id_to_token_.size()); }
   int64_t eos_id() const override { return eos_; }
   std::string source() const override { return source_; }
@@ -54,10 +56,16 @@ class BpeTokenizer : public Tokenizer {
   std::string source_;
   std::vector<std::pair<std::string, int64_t>> added_;  // longest first
   int64_t eos_ = -1;
-  // Hugging Face's Digits(individual_digits) pre-tokenizer before ByteLevel's pattern (SmolLM):
-  // every number character is a piece of its own.
-  bool split_digits_ = false;
   int64_t unk_ = -1;  // what a byte the vocabulary lacks encodes as (-1: an error)
+ public:
+  struct PreStep;  // one step of the pre-tokenizer (bpe_tokenizer.cpp)
+ private:
+  // The pre-tokenizer as `tokenizers` composes it: regex splits (Llama 3's and Qwen2's
+  // patterns, on PCRE2), SmolLM's digits, GPT-2's pattern; empty: GPT-2's pattern alone.
+  std::vector<std::shared_ptr<const PreStep>> pre_;
+  bool ignore_merges_ = false;  // Llama 3: a piece that is a vocabulary token is taken whole
+  bool nfc_ = false;            // Qwen2: text NFC-normalized first (ICU)
+  std::vector<std::string> pre_split(const std::string& text) const;
 };
 
 }  // namespace torchspeed::data

@@ -18,6 +18,9 @@ class Tokenizer {
   // The bytes of one token; an id outside the vocabulary is an error naming it.
   virtual std::string token_bytes(int64_t id) const = 0;
   std::string decode(const std::vector<int64_t>& ids) const;
+  // The text as the tokenizer's normalizer leaves it (Qwen2's NFC): what decode(encode(text))
+  // gives back. Identity for tokenizers without one.
+  virtual std::string normalized(const std::string& text) const { return text; }
   virtual int64_t vocab_size() const = 0;
   // The end-of-text token (GPT-2's <|endoftext|>), or -1 when the vocabulary has none.
   virtual int64_t eos_id() const { return -1; }

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Byte-level BPE tokenizers with each family's pre-tokenizer, trained by Hugging Face's
+`tokenizers` on the fortunes corpus and saved as tokenizer.json, for torchspeed to read and
+match id for id (tests/tokenizer/families.sh):
+  gpt2    ByteLevel (GPT-2's pattern)
+  smollm  Sequence [Digits(individual_digits), ByteLevel]             (SmolLM, SmolLM2)
+  llama3  Sequence [Split(Llama 3's regex, Isolated), ByteLevel(no regex)], ignore_merges
+  qwen2   NFC normalizer; Sequence [Split(Qwen2's regex, Isolated), ByteLevel(no regex)]
+The patterns are those of Llama 3's and Qwen2's own tokenizer.json.
+
+usage: make_family_tokenizers.py OUT_DIR
+"""
+import os
+import sys
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+FORTUNES = "/usr/share/games/fortunes"
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+         r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def corpus():
+    out = []
+    for name in sorted(os.listdir(FORTUNES)):
+        p = os.path.join(FORTUNES, name)
+        if name.endswith(".dat") or os.path.islink(p) or not os.path.isfile(p):
+            continue
+        out.append(p)
+    return out
+
+
+def make(kind):
+    tok = Tokenizer(models.BPE(ignore_merges=(kind == "llama3")))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if kind == "gpt2":
+        tok.pre_tokenizer = byte_level
+    elif kind == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif kind == "llama3":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3), "isolated"), no_regex])
+    elif kind == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2), "isolated"), no_regex])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=3000, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train(corpus(), trainer)
+    return tok
+
+
+def main():
+    out = sys.argv[1]
+    for kind in ("gpt2", "smollm", "llama3", "qwen2"):
+        d = os.path.join(out, kind)
+        os.makedirs(d, exist_ok=True)
+        tok = make(kind)
+        tok.save(os.path.join(d, "tokenizer.json"))
+        print("make_family_tokenizers: %s: %d tokens" % (d, tok.get_vocab_size()))
+
+
+if __name__ == "__main__":
+    main()
