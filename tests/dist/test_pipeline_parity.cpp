@@ -23,7 +23,16 @@ namespace ts = torchspeed;
 
 namespace {
 
-ts::models::GPTConfig tiny() { return ts_test::tiny_gpt(4); }
+// GPT-2's shape, or Llama's (RMSNorm, rotary positions, SwiGLU, 4 query heads sharing 2 KV
+// heads, no biases): the model description's two ends.
+ts::models::GPTConfig tiny(bool llama = false) {
+  ts::models::GPTConfig c = ts_test::tiny_gpt(4);
+  if (llama) {
+    c.norm = "rmsnorm", c.positions = "rope", c.activation = "swiglu", c.n_kv_head = 2, c.d_ff = 24;
+    c.qkv_bias = c.attn_out_bias = c.mlp_bias = false;
+  }
+  return c;
+}
 
 // Micro-batch m of step `step` for data-parallel rank d: [mb, seq] tokens and next tokens.
 std::pair<at::Tensor, at::Tensor> data(int step, int m, int d, int64_t mb) {
@@ -48,7 +57,13 @@ struct Case {
   int ckpt_interval = 0;
   std::string partition = "parameters";
   int tp = 1;
+  bool llama = false;
 };
+
+Case llama(Case c) {
+  c.llama = true;
+  return c;
+}
 
 Case with_tp(int pp, int tp, int zero = 0, int ckpt_interval = 0) {
   Case c{pp, "1f1b", zero, ckpt_interval};
@@ -73,8 +88,9 @@ void check_parity(const Case& c) {
   const int64_t mb = 2;
   const int gas = 4, steps = 3;
   SCOPED_TRACE(testing::Message() << "tp " << c.tp << " pp " << c.pp << " dp " << dp << " " << c.schedule << " zero " << c.zero
-                                  << " checkpoint interval " << c.ckpt_interval << " " << c.partition);
-  const auto spec = ts::models::gpt_spec(tiny(), 42);
+                                  << " checkpoint interval " << c.ckpt_interval << " " << c.partition
+                                  << (c.llama ? " llama" : " gpt2"));
+  const auto spec = ts::models::gpt_spec(tiny(c.llama), 42);
 
   nlohmann::json j = base_config(mb, gas, c.zero);
   j["pipeline"] = {{"stages", c.pp}, {"schedule", c.schedule}, {"partition_method", c.partition},
@@ -100,7 +116,7 @@ void check_parity(const Case& c) {
 
   auto groups = ts::parallel::make_parallel_groups(world(), ts::parallel::ProcessGrid(world_size, c.tp, c.pp));
   // The tensor-parallel model is built with the group it splits over.
-  auto engine = ts::initialize(groups, ts::models::gpt_spec(tiny(), 42, groups.tp), cfg);
+  auto engine = ts::initialize(groups, ts::models::gpt_spec(tiny(c.llama), 42, groups.tp), cfg);
   EXPECT_EQ(engine->num_stages(), c.pp);
   // A stage builds only its own layers, tensor-parallel ranks their slices.
   if (c.pp * c.tp > 1) {
@@ -142,8 +158,8 @@ void check_parity(const Case& c) {
   EXPECT_EQ(covered.size(), ref.num_tensors()) << "a tensor reported twice, another missing";
   EXPECT_LE(std::sqrt(diff_sq / norm_sq), 1e-5) << "whole model";  // measured <= 1.3e-6
   if (world()->rank() == 0) {
-    std::printf("tp %d pp %d dp %d %s zero %d ckpt %d %s: rel diff loss %.1e norm %.1e, worst tensor %.1e, "
-                "model %.1e (norms %.3f..%.3f)\n", c.tp, c.pp, dp, c.schedule.c_str(), c.zero, c.ckpt_interval,
+    std::printf("%s tp %d pp %d dp %d %s zero %d ckpt %d %s: rel diff loss %.1e norm %.1e, worst tensor %.1e, "
+                "model %.1e (norms %.3f..%.3f)\n", c.llama ? "llama" : "gpt2", c.tp, c.pp, dp, c.schedule.c_str(), c.zero, c.ckpt_interval,
                 c.partition.c_str(), worst_loss, worst_norm, worst_tensor, std::sqrt(diff_sq / norm_sq),
                 *std::min_element(ref_norms.begin(), ref_norms.end()),
                 *std::max_element(ref_norms.begin(), ref_norms.end()));
@@ -194,5 +210,23 @@ TEST(TensorParallelParity, MatchesPlainLibTorch) {
     check_parity(with_tp(2, 2, 1));          // tp 2 x pp 2 x dp 2, ZeRO-1
   } else {
     GTEST_SKIP() << "runs at 2, 4 or 8 ranks";
+  }
+}
+
+// The Llama-shaped model (grouped-query attention, RoPE, RMSNorm, SwiGLU) in every mode: data
+// parallel at ZeRO 0-3, tensor parallel (each rank whole KV heads with their query groups),
+// pipeline, and their combinations, against the same plain-LibTorch reference.
+TEST(LlamaShapedParity, MatchesPlainLibTorch) {
+  const int n = world()->size();
+  if (n == 2) {
+    for (int zero : {0, 1, 2, 3}) check_parity(llama({1, "1f1b", zero}));  // dp 2
+    check_parity(llama({1, "1f1b", 3, 1}));        // dp 2, ZeRO-3 with checkpointing
+    check_parity(llama(with_tp(1, 2)));            // tp 2: one KV head per rank
+    check_parity(llama({2}));                      // pp 2
+  } else if (n == 4) {
+    check_parity(llama(with_tp(1, 2, 2)));         // tp 2 x dp 2, ZeRO-2
+    check_parity(llama(with_tp(2, 2)));            // tp 2 x pp 2
+  } else {
+    GTEST_SKIP() << "runs at 2 or 4 ranks";
   }
 }

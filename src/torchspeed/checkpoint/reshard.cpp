@@ -181,7 +181,8 @@ NamedTensors full_state(const Opened& o, const std::string& kind) {
                    " list different parameters");
           pieces.push_back(part[i].second);
         }
-        const tensor_parallel::Split split{p.at("tp_split").at(0).get<int>(), p.at("tp_split").at(1).get<int>()};
+        tensor_parallel::Split split{p.at("tp_split").at(0).get<int>(), p.at("tp_split").at(1).get<int>()};
+        if (p.at("tp_split").size() > 2) split.sections = p.at("tp_split").at(2).get<std::vector<int64_t>>();
         out.emplace_back(name, tensor_parallel::merge(pieces, split));
       } else {
         out.emplace_back(name, parts[0][i].second);  // replicated: every tp rank holds the same

@@ -68,7 +68,10 @@ nlohmann::json slice_entry(int pp, int tp, const zero::PartitionLayout& layout,
   for (const auto& p : params) {
     nlohmann::json j = {{"name", p.name}, {"shape", p.shape}};
     if (p.copy) j["copy"] = true;
-    if (p.split) j["tp_split"] = {p.split->dim, p.split->chunks};
+    if (p.split) {
+      j["tp_split"] = {p.split->dim, p.split->chunks};
+      if (!p.split->sections.empty()) j["tp_split"].push_back(p.split->sections);
+    }
     ps.push_back(std::move(j));
   }
   return {{"pp", pp}, {"tp", tp}, {"layout", layout.to_json()}, {"files", files}, {"params", ps}};

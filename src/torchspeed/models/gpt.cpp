@@ -455,16 +455,19 @@ GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPt
     : head_dim(dense->head_dim), gelu_approximate(dense->gelu_approximate), swiglu(dense->swiglu), rope(dense->rope) {
   TS_CHECK(dense->n_head % tp->size() == 0, "model.n_head ", dense->n_head, " does not divide by tensor_parallel.tp_size ",
            tp->size());
-  // Grouped-query attention splits the fused qkv rows unevenly ([q | k | v] widths H : KV : KV),
-  // which the tensor-parallel split of a fused weight (equal chunks) does not describe yet.
-  TS_CHECK(dense->n_kv_head == dense->n_head, "tensor parallelism of grouped-query attention (model.n_kv_head ",
-           dense->n_kv_head, " < n_head ", dense->n_head, ") is not supported yet; train it with tp_size 1");
+  // Grouped-query attention: each rank takes whole KV heads with their query groups.
+  TS_CHECK(dense->n_kv_head % tp->size() == 0, "model.n_kv_head ", dense->n_kv_head,
+           " does not divide by tensor_parallel.tp_size ", tp->size(),
+           " (replicating key/value heads across tensor-parallel ranks is not supported yet)");
   local_heads = dense->n_head / tp->size();
-  local_kv_heads = local_heads;
+  local_kv_heads = dense->n_kv_head / tp->size();
   // Registered in the dense block's order, so parameters line up with the dense model's.
   ln1 = register_module("ln1", copy_norm(dense->ln1));
-  // qkv rows are [q heads | k heads | v heads]: each third is split by heads (chunks = 3).
-  qkv = register_module("qkv", tensor_parallel::ColumnParallelLinear(dense->qkv->weight, dense->qkv->bias, tp, false, 3));
+  // qkv rows are [q heads | k heads | v heads] (widths H : KV : KV): each part is split by heads.
+  std::vector<int64_t> sections;
+  if (dense->n_kv_head != dense->n_head) sections = {dense->n_head, dense->n_kv_head, dense->n_kv_head};
+  qkv = register_module("qkv", tensor_parallel::ColumnParallelLinear(dense->qkv->weight, dense->qkv->bias, tp, false, 3,
+                                                                     sections));
   if (dense->q_norm) {
     q_norm = register_module("q_norm", copy_norm(dense->q_norm));
     k_norm = register_module("k_norm", copy_norm(dense->k_norm));

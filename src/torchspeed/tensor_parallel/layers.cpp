@@ -161,9 +161,23 @@ std::optional<Split> split_of(const at::Tensor& param) {
   return it->second.split;
 }
 
+namespace {
+// The blocks of a tensor split as `split` says (equal chunks, or sections in proportion).
+std::vector<at::Tensor> blocks(const at::Tensor& t, const Split& split) {
+  if (split.sections.empty()) return t.chunk(split.chunks, split.dim);
+  int64_t total = 0;
+  for (int64_t s : split.sections) total += s;
+  TS_CHECK(total > 0 && t.size(split.dim) % total == 0, "a split dimension of ", t.size(split.dim),
+           " is not a whole number of sections ", at::IntArrayRef(split.sections));
+  std::vector<int64_t> sizes;
+  for (int64_t s : split.sections) sizes.push_back(s * (t.size(split.dim) / total));
+  return t.split_with_sizes(sizes, split.dim);
+}
+}  // namespace
+
 at::Tensor slice(const at::Tensor& full, Split split, int rank, int size) {
   std::vector<at::Tensor> parts;
-  for (const auto& chunk : full.chunk(split.chunks, split.dim)) {
+  for (const auto& chunk : blocks(full, split)) {
     check_divisible(chunk.size(split.dim), size, "a split dimension");
     parts.push_back(chunk.chunk(size, split.dim)[static_cast<size_t>(rank)]);
   }
@@ -172,17 +186,18 @@ at::Tensor slice(const at::Tensor& full, Split split, int rank, int size) {
 
 at::Tensor merge(const std::vector<at::Tensor>& parts, Split split) {
   std::vector<at::Tensor> chunks;
-  for (int c = 0; c < split.chunks; ++c) {
-    for (const auto& p : parts) chunks.push_back(p.chunk(split.chunks, split.dim)[static_cast<size_t>(c)]);
+  const size_t n = split.sections.empty() ? static_cast<size_t>(split.chunks) : split.sections.size();
+  for (size_t c = 0; c < n; ++c) {
+    for (const auto& p : parts) chunks.push_back(blocks(p, split)[c]);
   }
   return at::cat(chunks, split.dim).contiguous();
 }
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const at::Tensor& w, const at::Tensor& b, comm::CommunicatorPtr tp,
-                                                   bool gather_output, int chunks)
+                                                   bool gather_output, int chunks, std::vector<int64_t> sections)
     : tp_(std::move(tp)), gather_(gather_output) {
-  check_divisible(w.size(0) / chunks, tp_->size(), "ColumnParallelLinear: output features");
-  const Split split{0, chunks};
+  if (sections.empty()) check_divisible(w.size(0) / chunks, tp_->size(), "ColumnParallelLinear: output features");
+  const Split split{0, chunks, std::move(sections)};
   weight = register_parameter("weight", slice(w.detach(), split, tp_->rank(), tp_->size()));
   mark_split(weight, split);
   if (b.defined()) {

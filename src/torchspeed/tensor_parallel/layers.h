@@ -29,9 +29,14 @@ at::Tensor gather_from_region(const at::Tensor& x, const comm::CommunicatorPtr& 
 void share_rng_state(comm::Communicator& tp);
 
 // How a parameter is split across the tensor-parallel group, for checkpoints and the norm: along
-// `dim`, which is made of `chunks` equal blocks each split separately (a fused QKV weight: 3).
+// `dim`, which is made of `chunks` equal blocks each split separately (a fused QKV weight: 3),
+// or, with `sections`, of blocks of those relative sizes (grouped-query attention's fused QKV:
+// {n_head, n_kv_head, n_kv_head}).
 struct Split {
+  Split(int dim_ = 0, int chunks_ = 1, std::vector<int64_t> sections_ = {})
+      : dim(dim_), chunks(chunks_), sections(std::move(sections_)) {}
   int dim = 0, chunks = 1;
+  std::vector<int64_t> sections;
 };
 void mark_split(const at::Tensor& param, Split split);
 // nullopt for a replicated parameter.
@@ -45,7 +50,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
   // `full_weight` [out, in] and `full_bias` [out] (may be undefined): the dense layer's values.
   ColumnParallelLinearImpl(const at::Tensor& full_weight, const at::Tensor& full_bias, comm::CommunicatorPtr tp,
-                           bool gather_output = false, int chunks = 1);
+                           bool gather_output = false, int chunks = 1, std::vector<int64_t> sections = {});
   at::Tensor forward(const at::Tensor& x);  // [..., in] -> [..., out/tp] (or [..., out] gathered)
   at::Tensor weight;  // [out/tp, in], split on dim 0
   at::Tensor bias;    // [out/tp]
