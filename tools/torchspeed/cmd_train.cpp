@@ -68,6 +68,9 @@ struct DataSection {
   std::string path = data::kDefaultCorpus;
   double val_fraction = 0.1;
   std::string tokenizer = "bytes";  // or a BPE tokenizer's tokenizer.json / folder
+  // Tokens per training sequence (0: model.seq_len). Shorter than the model's context: a
+  // fine-tune on short samples keeps the model's full context for serving.
+  int64_t seq_len = 0;
 };
 
 TrainSection read_train(const nlohmann::json& j) {
@@ -92,6 +95,7 @@ DataSection read_data(const nlohmann::json& j) {
   s.path = r.get_string("path", s.path);
   s.val_fraction = r.get_double("val_fraction", s.val_fraction, 1e-6, 0.5);
   s.tokenizer = r.get_string("tokenizer", s.tokenizer);
+  s.seq_len = r.get_int("seq_len", s.seq_len, 0, 1 << 24);
   r.finish();
   if (!d.errors.empty()) throw config::ConfigError(d.errors);
   return s;
@@ -181,21 +185,14 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     nlohmann::json j = config::read_json_file(o->config);
     for (const auto& s : o->sets) apply_override(j, s);
     // --init-from: the model's shape comes from the checkpoint; a key the config also gives must
-    // agree (dropout may differ: it is a training setting; seq_len may be shorter with rotary
-    // positions).
+    // agree (dropout may differ: it is a training setting; data.seq_len trains on shorter
+    // sequences than the model's context).
     std::optional<checkpoint::Model> init;
     if (!o->init_from.empty()) {
       init = checkpoint::load_model(o->init_from);
       nlohmann::json model = j.value("model", nlohmann::json::object());
       const nlohmann::json given = init->config.value("model", nlohmann::json::object());  // named: items() refers to it
-      // With rotary positions no weight depends on the context length: a fine-tune may train on
-      // shorter sequences than the model's context (seq_len at most the model's).
-      const bool rope = given.value("positions", std::string()) == "rope";
       for (const auto& [k, v] : given.items()) {
-        if (rope && k == "seq_len" && model.contains(k) && model.at(k).is_number_integer() && v.is_number_integer() &&
-            model.at(k).get<int64_t>() >= 1 && model.at(k).get<int64_t>() <= v.get<int64_t>()) {
-          continue;
-        }
         if (model.contains(k) && k != "dropout" && model.at(k) != v) {
           TS_CHECK(false, o->config, ": model.", k, " is ", model.at(k).dump(), " but the model of --init-from ", o->init_from,
                    " has ", v.dump(), "; leave it out of the config (--init-from sets it)");
@@ -234,7 +231,12 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     TS_CHECK(gpt.vocab >= tokenizer->vocab_size(), "model.vocab is ", gpt.vocab, " but the tokenizer (", tokenizer->source(), ") has ",
              tokenizer->vocab_size(), " tokens: raise model.vocab to at least that");
 
-    auto corpus = data::TextCorpus::load(ds.path, ds.val_fraction, gpt.seq_len + 1, tokenizer.get());
+    const int64_t seq = ds.seq_len > 0 ? ds.seq_len : gpt.seq_len;
+    TS_CHECK(seq <= gpt.seq_len, o->config, ": data.seq_len ", seq, " is longer than the model's context model.seq_len ",
+             gpt.seq_len);
+    models::GPTConfig trained = gpt;  // the FLOPs of the sequences trained on
+    trained.seq_len = seq;
+    auto corpus = data::TextCorpus::load(ds.path, ds.val_fraction, seq + 1, tokenizer.get());
     const double bigram = corpus.bigram_entropy();
     torch::manual_seed(static_cast<uint64_t>(cfg.seed));
     // From the spec: with pipeline.stages > 1 each rank builds only its stage's layers.
@@ -248,12 +250,12 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
     auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors), cfg,
                              {no_weight_decay_group(ts.no_decay_embeddings)});
-    engine->set_flops_per_sample(gpt.flops_per_token() * static_cast<double>(gpt.seq_len));
+    engine->set_flops_per_sample(trained.flops_per_token() * static_cast<double>(seq));
     engine->set_progress_report(false);  // the progress line below, every train.log_interval steps
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
-    data::TextLoader loader(corpus.train, gpt.seq_len, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));
-    const int64_t tokens_per_step = cfg.train_batch_size * gpt.seq_len;
+    data::TextLoader loader(corpus.train, seq, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));
+    const int64_t tokens_per_step = cfg.train_batch_size * seq;
 
     // MFU against this machine's measured GEMM rate in the compute dtype, on every rank's cores.
     // The other dtype is measured too: a precision several times slower on this CPU is named.
@@ -270,9 +272,12 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
     std::filesystem::create_directories(o->out);
     if (rt.is_rank0()) {
-      std::printf("torchspeed train: GPT %ld layers, d_model %ld, %ld heads, seq %ld: %.2fM parameters\n",
-                  static_cast<long>(gpt.n_layer), static_cast<long>(gpt.d_model), static_cast<long>(gpt.n_head),
-                  static_cast<long>(gpt.seq_len), gpt.num_params() / 1e6);
+      const std::string family =
+          cfg.sections.value("model", nlohmann::json::object()).value("family", std::string(gpt.rope() ? "decoder" : "GPT"));
+      std::printf("torchspeed train: %s %ld layers, d_model %ld, %ld heads (%ld KV), seq %ld (context %ld): %.2fM parameters\n",
+                  family.c_str(), static_cast<long>(gpt.n_layer), static_cast<long>(gpt.d_model), static_cast<long>(gpt.n_head),
+                  static_cast<long>(gpt.kv_heads()), static_cast<long>(seq), static_cast<long>(gpt.seq_len),
+                  gpt.num_params() / 1e6);
       std::printf("  %d ranks (dp %d x pp %d x tp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp\n",
                   rt.world_size, dp->size(), cfg.pp, cfg.tp, cfg.zero.stage,
                   precision::precision_name(engine->precision()), static_cast<long>(cfg.train_batch_size),
@@ -287,7 +292,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
 
     auto evaluate = [&]() {
-      data::TextLoader val(corpus.val, gpt.seq_len, micro, dp->rank(), dp->size(), 12345);
+      data::TextLoader val(corpus.val, seq, micro, dp->rank(), dp->size(), 12345);
       double sum = 0;
       for (int64_t i = 0; i < ts.eval_batches; ++i) sum += engine->eval_batch(val);  // dp means
       return sum / static_cast<double>(ts.eval_batches);
