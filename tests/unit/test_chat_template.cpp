@@ -23,6 +23,8 @@ TEST(ChatTemplate, TextExpressionsAndWhitespaceControl) {
             "None|True|1.0|3|3.5|2|1024");
   EXPECT_EQ(render("{{ 'a' ~ 1 ~ none }}|{{ 'ab' * 2 }}|{{ [1, 2] + [3] }}|{{ {'k': 'v'} }}"), "a1None|abab|[1, 2, 3]|{'k': 'v'}");
   EXPECT_EQ(render("{{ undefined_name }}|{{ x.missing }}|{{ 'yes' if x else 'no' }}", {{"x", json::object()}}), "||no");
+  // Unary minus of a computed value (the fuzzer found it read a destroyed temporary).
+  EXPECT_EQ(render("{{ -(1 + 2) }}|{{ -x | abs }}|{{ --2.5 }}", {{"x", 4}}), "-3|4|2.5");
 }
 
 TEST(ChatTemplate, LoopsNamespacesMacrosAndFilters) {

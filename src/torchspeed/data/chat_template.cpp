@@ -1799,7 +1799,8 @@ class Renderer {
         return Value::of(n.negate ? !r : r);
       }
       case Node::K::kUnary: {
-        const json& j = need_json(eval(*n.kids[0]), n.line, "unary -");
+        const Value operand = eval(*n.kids[0]);  // held: need_json returns a reference into it
+        const json& j = need_json(operand, n.line, "unary -");
         if (j.is_number_integer()) return Value::of(-j.get<int64_t>());
         if (j.is_number()) return Value::of(-j.get<double>());
         fail(n.line, concat("bad operand for unary -: ", j.type_name()));
