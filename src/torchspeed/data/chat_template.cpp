@@ -557,7 +557,7 @@ class ExprParser {
     }
   }
   NodeP multiplicative() {
-    NodeP a = unary();
+    NodeP a = power();
     for (;;) {
       std::string op;
       if (accept_op("*")) op = "*";
@@ -567,33 +567,39 @@ class ExprParser {
       else return a;
       NodeP n = node(Node::K::kBinary, line_);
       n->name = op;
-      n->kids = {a, unary()};
+      n->kids = {a, power()};
       a = n;
     }
   }
-  NodeP unary() {
-    if (accept_op("-")) {
-      Guard g(depth_, where_);
-      NodeP n = node(Node::K::kUnary, line_);
-      n->name = "-";
-      n->kids = {unary()};
-      return n;
-    }
-    if (accept_op("+")) return unary();
-    return power();
-  }
+  // jinja2's parse_pow: unary operands, left to right.
   NodeP power() {
-    NodeP a = postfix();
-    if (accept_op("**")) {
+    NodeP a = unary(true);
+    while (accept_op("**")) {
       NodeP n = node(Node::K::kBinary, line_);
       n->name = "**";
-      n->kids = {a, unary()};
-      return n;
+      n->kids = {a, unary(true)};
+      a = n;
     }
     return a;
   }
-  NodeP postfix() {
-    NodeP a = primary();
+  // jinja2's parse_unary: a sign applies to the operand's primary and its postfix (-x.y is
+  // -(x.y)); filters apply to the signed value (-x|abs is abs(-x)).
+  NodeP unary(bool with_filter) {
+    Guard g(depth_, where_);
+    NodeP a;
+    if (accept_op("-")) {
+      a = node(Node::K::kUnary, line_);
+      a->name = "-";
+      a->kids = {unary(false)};
+    } else if (accept_op("+")) {
+      a = unary(false);
+    } else {
+      a = primary();
+    }
+    a = postfix(a);
+    return with_filter ? filters(a) : a;
+  }
+  NodeP postfix(NodeP a) {
     for (;;) {
       if (accept_op(".")) {
         NodeP n = node(Node::K::kAttr, line_);
@@ -619,20 +625,23 @@ class ExprParser {
         n->kids.push_back(a);
         args(*n);
         a = n;
-      } else if (accept_op("|")) {
-        NodeP n = node(Node::K::kFilter, line_);
-        n->name = name();
-        while (accept_op(".")) n->name += "." + name();
-        n->kids.push_back(a);
-        if (accept_op("(")) args(*n);
-        a = n;
       } else {
         return a;
       }
     }
   }
+  NodeP filters(NodeP a) {
+    while (accept_op("|")) {
+      NodeP n = node(Node::K::kFilter, line_);
+      n->name = name();
+      while (accept_op(".")) n->name += "." + name();
+      n->kids.push_back(a);
+      if (accept_op("(")) args(*n);
+      a = postfix(n);  // a filter's result takes attributes, items and calls too
+    }
+    return a;
+  }
   NodeP primary() {
-    Guard g(depth_, where_);
     const Tok t = toks_[p_];
     if (t.k == Tok::K::kEnd) TS_CHECK(false, where_, ": an expression is missing");
     ++p_;
