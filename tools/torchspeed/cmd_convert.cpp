@@ -13,7 +13,13 @@
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/checkpoint/hf_gpt2.h"
+#include "torchspeed/checkpoint/gguf.h"
+#include "torchspeed/data/bpe_tokenizer.h"
+#include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/tokenizer.h"
+#include "torchspeed/runtime/file.h"
+
+#include <filesystem>
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::cli {
@@ -44,12 +50,29 @@ Runner add_convert(CLI::App& app) {
       const bool bytes = tok->source() == "bytes";
       const auto section = model.config.value("model", nlohmann::json::object());
       const bool decoder = section.value("positions", std::string("learned")) == "rope";
-      const std::string tok_files = bytes ? "" : tok->source();
+      // A GGUF's tokenizer is written as a tokenizer.json (with the chat template and end-of-turn
+      // ids beside it), not copied.
+      const bool gguf_tok = !bytes && checkpoint::gguf::is_gguf(tok->source());
+      const std::string tok_files = bytes || gguf_tok ? "" : tok->source();
       const int64_t b =
           decoder ? checkpoint::hf::save_decoder(o->to, model.params, section,
                                                  model.config.value("hf_config", nlohmann::json::object()), dt, tok_files,
                                                  tok->eos_id())
                   : checkpoint::hf::save_gpt2(o->to, model.params, section, dt, tok_files, tok->eos_id());
+      if (gguf_tok) {
+        const auto* bpe = dynamic_cast<const data::BpeTokenizer*>(tok.get());
+        TS_CHECK(bpe, tok->source(), ": not a byte-level BPE tokenizer");
+        namespace fs = std::filesystem;
+        checkpoint::write_file_atomic((fs::path(o->to) / "tokenizer.json").string(), bpe->to_tokenizer_json().dump(1) + "\n");
+        const auto chat = data::chat_format_of_model(o->checkpoint, model, *tok);
+        nlohmann::json tc = {{"tokenizer_class", "PreTrainedTokenizerFast"}, {"clean_up_tokenization_spaces", false},
+                             {"model_max_length", section.value("seq_len", int64_t{2048})}};
+        for (const auto& [k, v] : chat->context.items()) tc[k] = v;
+        if (chat->tmpl) tc["chat_template"] = chat->text;
+        checkpoint::write_file_atomic((fs::path(o->to) / "tokenizer_config.json").string(), tc.dump(2) + "\n");
+        checkpoint::write_file_atomic((fs::path(o->to) / "generation_config.json").string(),
+                          nlohmann::json({{"eos_token_id", chat->stop_ids}}).dump(2) + "\n");
+      }
       const std::string family =
           decoder ? checkpoint::hf::decoder_config(section, model.config.value("hf_config", nlohmann::json::object()), -1)
                         .at("model_type")

@@ -274,6 +274,60 @@ std::vector<std::string> BpeTokenizer::PreStep::split(const std::string& text) c
   return out;
 }
 
+nlohmann::json BpeTokenizer::to_tokenizer_json() const {
+  using json = nlohmann::json;
+  auto byte_level = [](bool regex) {
+    return json{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", regex}};
+  };
+  json steps = json::array();
+  bool byte_level_last = false;
+  if (pre_.empty()) {
+    steps.push_back(byte_level(true));
+    byte_level_last = true;
+  }
+  for (const auto& st : pre_) {
+    byte_level_last = st->kind == PreStep::Kind::kGpt2;
+    if (st->kind == PreStep::Kind::kGpt2) steps.push_back(byte_level(true));
+    if (st->kind == PreStep::Kind::kDigits) steps.push_back({{"type", "Digits"}, {"individual_digits", true}});
+    if (st->kind == PreStep::Kind::kRegex) {
+      steps.push_back({{"type", "Split"}, {"pattern", {{"Regex", st->pattern}}}, {"behavior", st->removed ? "Removed" : "Isolated"},
+                       {"invert", false}});
+    }
+  }
+  if (!byte_level_last) steps.push_back(byte_level(false));  // the byte mapping, no further split
+  std::vector<std::pair<int, std::string>> by_rank;
+  for (const auto& [key, rank] : ranks_) {
+    const auto sep = key.find('\x01');
+    by_rank.emplace_back(rank, key.substr(0, sep) + " " + key.substr(sep + 1));
+  }
+  std::sort(by_rank.begin(), by_rank.end());
+  json merges = json::array();
+  for (const auto& [rank, m] : by_rank) merges.push_back(m);
+  json vocab = json::object();
+  for (size_t id = 0; id < id_to_token_.size(); ++id) {
+    if (!id_to_token_[id].empty()) vocab[id_to_token_[id]] = static_cast<int64_t>(id);
+  }
+  json added = json::array();
+  std::vector<std::pair<std::string, int64_t>> specials(added_.begin(), added_.end());
+  std::sort(specials.begin(), specials.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  for (const auto& [content, id] : specials) {
+    added.push_back({{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
+                     {"normalized", false}, {"special", true}});
+  }
+  return {{"version", "1.0"},
+          {"truncation", nullptr},
+          {"padding", nullptr},
+          {"added_tokens", added},
+          {"normalizer", nfc_ ? json{{"type", "NFC"}} : json(nullptr)},
+          {"pre_tokenizer", steps.size() == 1 ? steps[0] : json{{"type", "Sequence"}, {"pretokenizers", steps}}},
+          {"post_processor", nullptr},
+          {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+          {"model",
+           {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", unk_ >= 0 ? json(id_to_token_[static_cast<size_t>(unk_)]) : json(nullptr)},
+            {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr}, {"fuse_unk", false},
+            {"byte_fallback", false}, {"ignore_merges", ignore_merges_}, {"vocab", vocab}, {"merges", merges}}}};
+}
+
 std::string BpeTokenizer::normalized(const std::string& text) const {
   if (!nfc_) return text;
   // Added tokens are matched before normalization, as in encode.

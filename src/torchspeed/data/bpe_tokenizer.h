@@ -5,6 +5,8 @@
 // Any byte sequence round-trips: every byte has a token.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -36,6 +38,11 @@ class BpeTokenizer : public Tokenizer {
   std::vector<int64_t> encode(const std::string& text) const override;
   std::string token_bytes(int64_t id) const override;
   std::string normalized(const std::string& text) const override;
+  // This tokenizer as a Hugging Face tokenizer.json (model BPE with its vocabulary, merges in
+  // rank order and ignore_merges; the normalizer; the pre-tokenizer steps; the added tokens; a
+  // ByteLevel decoder): what `convert --format hf` writes for a model whose tokenizer came from
+  // a GGUF file.
+  nlohmann::json to_tokenizer_json() const;
   int64_t vocab_size() const override { return static_cast<int64_t>(id_to_token_.size()); }
   int64_t eos_id() const override { return eos_; }
   std::string source() const override { return source_; }

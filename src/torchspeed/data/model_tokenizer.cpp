@@ -84,6 +84,7 @@ bool from_hf_folder(const fs::path& dir, const Tokenizer& tok, ChatFormat& f) {
   if (text.empty()) return false;
   f.tmpl = std::make_shared<const ChatTemplate>(text, source);
   f.source = source;
+  f.text = text;
   if (cfg.is_object()) {
     for (const char* k : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
       if (cfg.contains(k)) f.context[k] = token_text(cfg.at(k));
@@ -108,7 +109,8 @@ bool from_gguf_info(const nlohmann::json& info, const std::string& source, const
     return false;
   }
   f.source = source + " tokenizer.chat_template";
-  f.tmpl = std::make_shared<const ChatTemplate>(info.at("tokenizer.chat_template").get<std::string>(), f.source);
+  f.text = info.at("tokenizer.chat_template").get<std::string>();
+  f.tmpl = std::make_shared<const ChatTemplate>(f.text, f.source);
   for (const auto& [key, name] : {std::pair<const char*, const char*>{"tokenizer.ggml.bos_token_id", "bos_token"},
                                   {"tokenizer.ggml.eos_token_id", "eos_token"}}) {
     if (info.contains(key) && info.at(key).is_number_integer()) {

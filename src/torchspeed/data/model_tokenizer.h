@@ -22,6 +22,7 @@ struct ChatFormat {
   nlohmann::json context = nlohmann::json::object();  // bos_token, eos_token, ...
   std::vector<int64_t> stop_ids;
   std::string source;  // where the template came from
+  std::string text;    // the template's Jinja text
 };
 using ChatFormatPtr = std::shared_ptr<const ChatFormat>;
 
