@@ -86,5 +86,10 @@ int main(int argc, char** argv) {
   std::printf("chat template check: %zu templates, %d cases equal, %d refused by both, %d where jinja2 cannot tojson a "
               "generator, %d differ\n",
               templates.size(), equal, both_refused, generator_quirk, differ);
-  return differ == 0 && equal > 0 ? 0 : 1;
+  // Every case is judged, and the collection is really there: an empty or truncated cases file
+  // (a parity script that wrote nothing) fails instead of passing on zero differences.
+  const bool complete = static_cast<size_t>(equal + both_refused + generator_quirk + differ) == cases.size() &&
+                        templates.size() >= 60 && equal >= 4 * static_cast<int>(templates.size()) * 9 / 10;
+  if (!complete) std::printf("FAIL: %zu cases of %zu templates, %d equal: the reference set is incomplete\n", cases.size(), templates.size(), equal);
+  return differ == 0 && complete ? 0 : 1;
 }
