@@ -1,6 +1,7 @@
 #!/bin/sh
 # Each family's pre-tokenizer (GPT-2's pattern; SmolLM's digits; Llama 3's and Qwen2's regex
-# splits, Qwen2's NFC normalizer, Llama 3's ignore_merges) in a BPE trained by Hugging Face's
+# splits, Qwen2's NFC normalizer, Llama 3's ignore_merges; Llama 2's and Mistral's
+# SentencePiece-style forms with byte fallback) in a BPE trained by Hugging Face's
 # `tokenizers`: torchspeed's ids equal `tokenizers`' on every fortunes file and on a
 # multilingual/emoji/code text (decoded back to the same bytes).
 # usage: families.sh PYTHON ENCODE_FILES
@@ -21,6 +22,7 @@ def f(x):
 
 <|im_start|>user
 Hi<|im_end|>
+<s>[INST] Why?  [/INST] Because.</s><s> again </s>
 TEXT
 printf 'e\314\201 A\314\212 \342\204\253 caf\303\251 cafe\314\201\n' > combining.txt
 set -- multilingual.txt combining.txt
@@ -28,7 +30,7 @@ for f in /usr/share/games/fortunes/*; do
   case "$f" in *.dat|*.u8) continue ;; esac
   [ -f "$f" ] && [ ! -L "$f" ] && set -- "$@" "$f"
 done
-for kind in gpt2 smollm llama3 qwen2; do
+for kind in gpt2 smollm llama3 qwen2 llama2 mistral; do
   "$encode" "$kind" "$kind.ids.json" "$@"
   "$py" "$here/../hf/families_parity.py" tokens "$kind" "$kind.ids.json"
 done

@@ -6,10 +6,16 @@ match id for id (tests/tokenizer/families.sh):
   smollm  Sequence [Digits(individual_digits), ByteLevel]             (SmolLM, SmolLM2)
   llama3  Sequence [Split(Llama 3's regex, Isolated), ByteLevel(no regex)], ignore_merges
   qwen2   NFC normalizer; Sequence [Split(Qwen2's regex, Isolated), ByteLevel(no regex)]
-The patterns are those of Llama 3's and Qwen2's own tokenizer.json.
+  llama2  SentencePiece-style BPE with byte fallback, Llama 2's form: normalizer Sequence
+          [Prepend("▁"), Replace(" ", "▁")], no pre-tokenizer, fuse_unk
+  mistral the same model in Mistral's later form: Metaspace(prepend_scheme "first", no split)
+The patterns are those of Llama 3's and Qwen2's own tokenizer.json; the SentencePiece forms are
+those of Llama 2's and Mistral's tokenizer.json (trained on words split at "▁", as
+SentencePiece trains, with a small alphabet so that rarer characters take the byte fallback).
 
 usage: make_family_tokenizers.py OUT_DIR
 """
+import json
 import os
 import sys
 
@@ -30,6 +36,36 @@ def corpus():
             continue
         out.append(p)
     return out
+
+
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % b for b in range(256)]
+
+
+def make_spm(kind, out_path):
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=3000, min_frequency=2, show_progress=False, limit_alphabet=120,
+                                  special_tokens=SPM_SPECIALS)
+    tok.train(corpus(), trainer)
+    tok.save(out_path)
+    j = json.load(open(out_path, encoding="utf-8"))
+    meta = "\u2581"
+    # As in Llama 2's own tokenizer.json, the <0xXX> tokens are vocabulary entries, not added tokens.
+    j["added_tokens"] = [a for a in j["added_tokens"] if a["content"] in ("<unk>", "<s>", "</s>")]
+    if kind == "llama2":
+        j["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": meta}, {"type": "Replace", "pattern": {"String": " "}, "content": meta}]}
+        j["pre_tokenizer"] = None
+        strip = [{"type": "Strip", "content": " ", "start": 1, "stop": 0}]
+    else:
+        j["normalizer"] = None
+        j["pre_tokenizer"] = {"type": "Metaspace", "replacement": meta, "prepend_scheme": "first", "split": False}
+        strip = [{"type": "Strip", "content": " ", "start": 1, "stop": 0}]
+    j["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": meta}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}] + strip}
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(j, f, ensure_ascii=False)
+    return Tokenizer.from_file(out_path)
 
 
 def make(kind):
@@ -55,11 +91,14 @@ def make(kind):
 
 def main():
     out = sys.argv[1]
-    for kind in ("gpt2", "smollm", "llama3", "qwen2"):
+    for kind in ("gpt2", "smollm", "llama3", "qwen2", "llama2", "mistral"):
         d = os.path.join(out, kind)
         os.makedirs(d, exist_ok=True)
-        tok = make(kind)
-        tok.save(os.path.join(d, "tokenizer.json"))
+        if kind in ("llama2", "mistral"):
+            tok = make_spm(kind, os.path.join(d, "tokenizer.json"))
+        else:
+            tok = make(kind)
+            tok.save(os.path.join(d, "tokenizer.json"))
         print("make_family_tokenizers: %s: %d tokens" % (d, tok.get_vocab_size()))
 
 

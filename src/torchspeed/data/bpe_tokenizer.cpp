@@ -132,8 +132,6 @@ void make_byte_map(std::string (&to_unicode)[256], std::unordered_map<std::strin
   }
 }
 
-std::string pair_key(const std::string& a, const std::string& b) { return a + '\x01' + b; }
-
 }  // namespace
 
 // Note [Pre-tokenizer steps]
@@ -295,14 +293,10 @@ nlohmann::json BpeTokenizer::to_tokenizer_json() const {
     }
   }
   if (!byte_level_last) steps.push_back(byte_level(false));  // the byte mapping, no further split
-  std::vector<std::pair<int, std::string>> by_rank;
-  for (const auto& [key, rank] : ranks_) {
-    const auto sep = key.find('\x01');
-    by_rank.emplace_back(rank, key.substr(0, sep) + " " + key.substr(sep + 1));
-  }
-  std::sort(by_rank.begin(), by_rank.end());
   json merges = json::array();
-  for (const auto& [rank, m] : by_rank) merges.push_back(m);
+  for (const auto& [a, b] : merge_order_) {
+    merges.push_back(id_to_token_[static_cast<size_t>(a)] + " " + id_to_token_[static_cast<size_t>(b)]);
+  }
   json vocab = json::object();
   for (size_t id = 0; id < id_to_token_.size(); ++id) {
     if (!id_to_token_[id].empty()) vocab[id_to_token_[id]] = static_cast<int64_t>(id);
@@ -314,22 +308,58 @@ nlohmann::json BpeTokenizer::to_tokenizer_json() const {
     added.push_back({{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
                      {"normalized", false}, {"special", true}});
   }
+  const std::string meta = "\xE2\x96\x81";
+  json normalizer = nfc_ ? json{{"type", "NFC"}} : json(nullptr);
+  json pre_tokenizer = steps.size() == 1 ? steps[0] : json{{"type", "Sequence"}, {"pretokenizers", steps}};
+  json decoder = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
+  if (spm_) {  // Note [SentencePiece-style BPE]
+    json norms = json::array();
+    if (nfc_) norms.push_back({{"type", "NFC"}});
+    if (prepend_) norms.push_back({{"type", "Prepend"}, {"prepend", meta}});
+    if (replace_space_) norms.push_back({{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", meta}});
+    normalizer = norms.empty() ? json(nullptr) : norms.size() == 1 ? norms[0] : json{{"type", "Sequence"}, {"normalizers", norms}};
+    pre_tokenizer = nullptr;
+    if (metaspace_ != Metaspace::kNone) {
+      pre_tokenizer = {{"type", "Metaspace"}, {"replacement", meta},
+                       {"prepend_scheme", metaspace_ == Metaspace::kAlways ? "always" : metaspace_ == Metaspace::kFirst ? "first" : "never"},
+                       {"split", metaspace_split_}};
+    }
+    json decs = json::array({{{"type", "Replace"}, {"pattern", {{"String", meta}}}, {"content", " "}}});
+    if (byte_fallback_) decs.push_back({{"type", "ByteFallback"}});
+    decs.push_back({{"type", "Fuse"}});
+    if (prepend_ || metaspace_ == Metaspace::kAlways || metaspace_ == Metaspace::kFirst)
+      decs.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+    decoder = {{"type", "Sequence"}, {"decoders", decs}};
+  }
   return {{"version", "1.0"},
           {"truncation", nullptr},
           {"padding", nullptr},
           {"added_tokens", added},
-          {"normalizer", nfc_ ? json{{"type", "NFC"}} : json(nullptr)},
-          {"pre_tokenizer", steps.size() == 1 ? steps[0] : json{{"type", "Sequence"}, {"pretokenizers", steps}}},
+          {"normalizer", normalizer},
+          {"pre_tokenizer", pre_tokenizer},
           {"post_processor", nullptr},
-          {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+          {"decoder", decoder},
           {"model",
            {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", unk_ >= 0 ? json(id_to_token_[static_cast<size_t>(unk_)]) : json(nullptr)},
-            {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr}, {"fuse_unk", false},
-            {"byte_fallback", false}, {"ignore_merges", ignore_merges_}, {"vocab", vocab}, {"merges", merges}}}};
+            {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr}, {"fuse_unk", fuse_unk_},
+            {"byte_fallback", byte_fallback_}, {"ignore_merges", ignore_merges_}, {"vocab", vocab}, {"merges", merges}}}};
 }
 
 std::string BpeTokenizer::normalized(const std::string& text) const {
-  if (!nfc_) return text;
+  if (!nfc_ && !spm_) return text;
+  auto norm = [&](const std::string& span, bool at_start) {
+    if (!spm_) return nfc(span);
+    std::string n = spm_normalize(span, at_start), out;
+    for (size_t i = 0; i < n.size();) {
+      if (n.compare(i, 3, "\xE2\x96\x81") == 0) {
+        out += ' ';
+        i += 3;
+      } else {
+        out += n[i++];
+      }
+    }
+    return out;
+  };
   // Added tokens are matched before normalization, as in encode.
   std::string out;
   size_t start = 0;
@@ -340,10 +370,10 @@ std::string BpeTokenizer::normalized(const std::string& text) const {
       if (p < at) at = p, len = a.first.size();
     }
     if (at == std::string::npos) break;
-    out += nfc(text.substr(start, at - start)) + text.substr(at, len);
+    out += norm(text.substr(start, at - start), start == 0) + text.substr(at, len);
     start = at + len;
   }
-  return out + (start < text.size() ? nfc(text.substr(start)) : std::string());
+  return out + (start < text.size() ? norm(text.substr(start), start == 0) : std::string());
 }
 
 std::vector<std::string> BpeTokenizer::pre_split(const std::string& text) const {
@@ -411,8 +441,9 @@ std::vector<std::string> BpeTokenizer::pre_tokenize(const std::string& text) {
 }
 
 BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
-                           std::vector<std::pair<std::string, std::string>> merges, const std::string& source)
-    : vocab_(std::move(vocab)), source_(source) {
+                           std::vector<std::pair<std::string, std::string>> merges, const std::string& source, bool spm,
+                           std::vector<int> ranks)
+    : vocab_(std::move(vocab)), source_(source), spm_(spm) {
   make_byte_map(byte_to_unicode_, unicode_to_byte_);
   int64_t max_id = -1;
   for (const auto& [tok, id] : vocab_) {
@@ -421,7 +452,16 @@ BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
   }
   id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
   for (const auto& [tok, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = tok;
-  for (size_t r = 0; r < merges.size(); ++r) ranks_.emplace(pair_key(merges[r].first, merges[r].second), static_cast<int>(r));
+  set_merges(merges, ranks);
+  if (spm_) {
+    byte_token_.assign(256, -1);
+    static const char* hex = "0123456789ABCDEF";
+    for (int b = 0; b < 256; ++b) {
+      const std::string name = std::string("<0x") + hex[b >> 4] + hex[b & 15] + ">";
+      if (const auto it = vocab_.find(name); it != vocab_.end()) byte_token_[static_cast<size_t>(b)] = it->second;
+    }
+    return;
+  }
   int bytes = 0;
   for (int b = 0; b < 256; ++b) bytes += vocab_.count(byte_to_unicode_[b]) ? 1 : 0;
   // Real vocabularies may leave out a few control bytes (SmolLM's has no token for 0x04): text
@@ -432,6 +472,27 @@ BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
   if (auto it = vocab_.find("<|endoftext|>"); it != vocab_.end()) {
     eos_ = it->second;
     added_.emplace_back(it->first, it->second);
+  }
+}
+
+void BpeTokenizer::set_merges(const std::vector<std::pair<std::string, std::string>>& merges, const std::vector<int>& ranks) {
+  merges_.clear();
+  merge_order_.clear();
+  merges_.reserve(merges.size());
+  merge_order_.reserve(merges.size());
+  auto id_of = [&](const std::string& t, size_t r, const std::string& pair) {
+    const auto it = vocab_.find(t);
+    TS_CHECK(it != vocab_.end(), source_, ": merge ", r, " '", pair, "': '", t, "' is not in the vocabulary");
+    return it->second;
+  };
+  for (size_t r = 0; r < merges.size(); ++r) {
+    const auto& [a, b] = merges[r];
+    const std::string pair = a + " " + b;
+    const int64_t ia = id_of(a, r, pair), ib = id_of(b, r, pair), in = id_of(a + b, r, pair);
+    const int rank = ranks.empty() ? static_cast<int>(r) : ranks[r];
+    // A pair listed twice keeps its first (lowest) rank, as `tokenizers` keeps it.
+    if (merges_.emplace((static_cast<uint64_t>(ia) << 32) | static_cast<uint64_t>(ib), std::make_pair(rank, in)).second)
+      merge_order_.emplace_back(ia, ib);
   }
 }
 
@@ -477,6 +538,8 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
            "; only BPE models are read");
   // The pre-tokenizer (Note [Pre-tokenizer steps]) and the normalizer.
   std::vector<std::shared_ptr<const PreStep>> steps;
+  Metaspace metaspace = Metaspace::kNone;
+  bool metaspace_split = false, byte_level = false;
   if (j.contains("pre_tokenizer") && j["pre_tokenizer"].is_object()) {
     const auto& pt = j["pre_tokenizer"];
     std::vector<const nlohmann::json*> list;
@@ -491,7 +554,18 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
       const std::string where = concat(path, ": pre_tokenizer step ", i);
       TS_CHECK(x.is_object(), where, " is not an object");
       const std::string type = x.value("type", std::string());
-      if (type == "ByteLevel") {
+      if (type == "Metaspace") {  // Note [SentencePiece-style BPE]
+        TS_CHECK(list.size() == 1, where, ": Metaspace is supported as the only pre-tokenizer");
+        const std::string rep = x.value("replacement", std::string("\xE2\x96\x81"));
+        TS_CHECK(rep == "\xE2\x96\x81", where, ": Metaspace replacement '", rep, "' is not supported (U+2581 is)");
+        std::string scheme = x.value("prepend_scheme", std::string());
+        if (scheme.empty()) scheme = x.value("add_prefix_space", true) ? "always" : "never";
+        TS_CHECK(scheme == "always" || scheme == "first" || scheme == "never", where, ": Metaspace prepend_scheme \"", scheme,
+                 "\" is not one of always, first, never");
+        metaspace = scheme == "always" ? Metaspace::kAlways : scheme == "first" ? Metaspace::kFirst : Metaspace::kNever;
+        metaspace_split = x.value("split", true);
+      } else if (type == "ByteLevel") {
+        byte_level = true;
         TS_CHECK(!x.value("add_prefix_space", false), where, ": ByteLevel add_prefix_space true is not supported");
         if (x.value("use_regex", true)) steps.push_back(step_of(PreStep::Kind::kGpt2));
       } else if (type == "Digits") {
@@ -507,16 +581,41 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
         TS_CHECK(!x.value("invert", false), where, ": Split with invert true is not supported");
         steps.push_back(regex_step(x["pattern"]["Regex"].get<std::string>(), behavior == "Removed", where));
       } else {
-        TS_CHECK(false, where, ": type \"", type, "\" is not supported (ByteLevel, Digits, Split)");
+        TS_CHECK(false, where, ": type \"", type, "\" is not supported (ByteLevel, Digits, Split, Metaspace)");
       }
     }
   }
-  bool nfc_norm = false;
+  // The normalizer: none, NFC, SentencePiece's Prepend("▁") and Replace(" ", "▁"), or a
+  // Sequence of those.
+  bool nfc_norm = false, prepend = false, replace_space = false;
   if (j.contains("normalizer") && !j["normalizer"].is_null()) {
     const auto& n = j["normalizer"];
-    TS_CHECK(n.is_object() && n.value("type", std::string()) == "NFC", path, ": normalizer ",
-             n.is_object() ? n.value("type", std::string()) : n.dump(), " is not supported (none and NFC are)");
-    nfc_norm = true;
+    std::vector<const nlohmann::json*> list;
+    if (n.is_object() && n.value("type", std::string()) == "Sequence" && n.contains("normalizers") && n["normalizers"].is_array()) {
+      for (const auto& x : n["normalizers"]) list.push_back(&x);
+    } else {
+      list.push_back(&n);
+    }
+    for (size_t i = 0; i < list.size(); ++i) {
+      const auto& x = *list[i];
+      const std::string where = concat(path, ": normalizer", list.size() > 1 ? concat(" step ", i) : std::string());
+      const std::string type = x.is_object() ? x.value("type", std::string()) : std::string();
+      if (type == "NFC") {
+        nfc_norm = true;
+      } else if (type == "Prepend") {
+        TS_CHECK(x.value("prepend", std::string()) == "\xE2\x96\x81" && !replace_space, where,
+                 ": Prepend is supported with \"\u2581\" before Replace");
+        prepend = true;
+      } else if (type == "Replace") {
+        const bool space = x.contains("pattern") && x["pattern"].is_object() && x["pattern"].value("String", std::string()) == " " &&
+                           x.value("content", std::string()) == "\xE2\x96\x81";
+        TS_CHECK(space, where, ": Replace is supported for \" \" -> \"\u2581\" only, found ", x.dump());
+        replace_space = true;
+      } else {
+        TS_CHECK(false, where, ": ", x.is_object() ? concat("type \"", type, "\"") : x.dump(),
+                 " is not supported (NFC, Prepend, Replace, and a Sequence of them are)");
+      }
+    }
   }
   TS_CHECK(m.contains("vocab") && m["vocab"].is_object(), path, ": model.vocab must be an object");
   std::unordered_map<std::string, int64_t> vocab;
@@ -541,10 +640,21 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
       }
     }
   }
-  BpeTokenizer t(std::move(vocab), std::move(merges), path);
+  const bool byte_fallback = m.value("byte_fallback", false);
+  const bool spm = metaspace != Metaspace::kNone || prepend || replace_space || byte_fallback;
+  TS_CHECK(!spm || steps.empty(), path, ": a SentencePiece-style tokenizer (Metaspace, a \u2581 normalizer or byte_fallback) ",
+           "with a ByteLevel, Digits or Split pre-tokenizer is not supported");
+  TS_CHECK(spm || byte_level, path, ": a byte-level BPE without a pre_tokenizer is not supported (add ByteLevel)");
+  BpeTokenizer t(std::move(vocab), std::move(merges), path, spm);
   // GPT-2's pattern alone is the default pipeline (pre_ empty).
   if (!(steps.size() == 1 && steps[0]->kind == PreStep::Kind::kGpt2)) t.pre_ = std::move(steps);
   t.nfc_ = nfc_norm;
+  t.prepend_ = prepend;
+  t.replace_space_ = replace_space;
+  t.metaspace_ = metaspace;
+  t.metaspace_split_ = metaspace_split;
+  t.byte_fallback_ = byte_fallback;
+  t.fuse_unk_ = m.value("fuse_unk", false);
   t.ignore_merges_ = m.value("ignore_merges", false);
   if (m.contains("unk_token") && m["unk_token"].is_string()) {
     const auto it = t.vocab_.find(m["unk_token"].get<std::string>());
@@ -571,12 +681,94 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
   return t;
 }
 
+// GGUF's SentencePiece tokenizer (Note [SentencePiece-style BPE]).
+BpeTokenizer BpeTokenizer::from_gguf_spm(const checkpoint::gguf::File& f, const std::string& path) {
+  const auto& md = f.header().metadata;
+  TS_CHECK(md.contains("tokenizer.ggml.tokens") && md.at("tokenizer.ggml.tokens").is_array(), path,
+           ": no tokenizer.ggml.tokens array");
+  const auto& tokens = md.at("tokenizer.ggml.tokens");
+  TS_CHECK(md.contains("tokenizer.ggml.scores") && md.at("tokenizer.ggml.scores").is_array() &&
+               md.at("tokenizer.ggml.scores").size() == tokens.size(),
+           path, ": tokenizer.ggml.model \"llama\" needs tokenizer.ggml.scores, one per token");
+  const auto& scores = md.at("tokenizer.ggml.scores");
+  const nlohmann::json no_types = nlohmann::json::array();
+  const auto& types = md.contains("tokenizer.ggml.token_type") ? md.at("tokenizer.ggml.token_type") : no_types;
+  TS_CHECK(types.empty() || types.size() == tokens.size(), path, ": tokenizer.ggml.token_type has ", types.size(),
+           " entries for ", tokens.size(), " tokens");
+  std::unordered_map<std::string, int64_t> vocab;
+  std::vector<double> score(tokens.size());
+  std::vector<std::pair<std::string, int64_t>> special;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    TS_CHECK(tokens[i].is_string(), path, ": tokenizer.ggml.tokens[", i, "] is not a string");
+    TS_CHECK(scores[i].is_number(), path, ": tokenizer.ggml.scores[", i, "] is not a number");
+    const std::string& tok = tokens[i].get_ref<const std::string&>();
+    vocab.emplace(tok, static_cast<int64_t>(i));
+    score[i] = scores[i].get<double>();
+    const int64_t type = types.empty() || !types[i].is_number_integer() ? 1 : types[i].get<int64_t>();
+    if (type == 3 || type == 4) special.emplace_back(tok, static_cast<int64_t>(i));  // control, user-defined
+  }
+  // Merges from the scores: each split of a token into two tokens, ranked by the token's score
+  // (equal scores share a rank: the leftmost pair merges first, as in llama.cpp).
+  std::vector<double> distinct(score);
+  std::sort(distinct.begin(), distinct.end(), std::greater<double>());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  std::vector<std::tuple<int, int64_t, std::string, std::string>> cand;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const std::string& tok = tokens[i].get_ref<const std::string&>();
+    const auto cps = code_points(tok);
+    if (cps.size() < 2) continue;
+    const int rank = static_cast<int>(std::lower_bound(distinct.begin(), distinct.end(), score[i], std::greater<double>()) -
+                                      distinct.begin());
+    for (size_t k = 1; k < cps.size(); ++k) {
+      const std::string l = tok.substr(0, cps[k].begin), r = tok.substr(cps[k].begin);
+      if (vocab.count(l) && vocab.count(r)) cand.emplace_back(rank, static_cast<int64_t>(i), l, r);
+    }
+  }
+  std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
+    return std::get<0>(a) != std::get<0>(b) ? std::get<0>(a) < std::get<0>(b) : std::get<1>(a) < std::get<1>(b);
+  });
+  std::vector<std::pair<std::string, std::string>> merges;
+  std::vector<int> ranks;
+  merges.reserve(cand.size());
+  ranks.reserve(cand.size());
+  for (auto& [rank, id, l, r] : cand) {
+    merges.emplace_back(std::move(l), std::move(r));
+    ranks.push_back(rank);
+  }
+  BpeTokenizer t(std::move(vocab), std::move(merges), path, /*spm=*/true, std::move(ranks));
+  t.byte_fallback_ = true;
+  t.fuse_unk_ = true;
+  t.replace_space_ = true;
+  t.prepend_ = true;  // llama.cpp's default for SentencePiece vocabularies
+  if (f.has("tokenizer.ggml.add_space_prefix")) {
+    const auto& v = md.at("tokenizer.ggml.add_space_prefix");
+    TS_CHECK(v.is_boolean(), path, ": tokenizer.ggml.add_space_prefix is not a boolean: ", v.type_name());
+    t.prepend_ = v.get<bool>();
+  }
+  if (f.has("tokenizer.ggml.unknown_token_id")) {
+    const int64_t unk = f.integer("tokenizer.ggml.unknown_token_id");
+    if (unk >= 0 && unk < t.vocab_size()) t.unk_ = unk;
+  }
+  for (const auto& [tok, id] : special) {
+    if (!tok.empty()) t.added_.emplace_back(tok, id);
+  }
+  std::stable_sort(t.added_.begin(), t.added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  if (f.has("tokenizer.ggml.eos_token_id")) {
+    const int64_t eos = f.integer("tokenizer.ggml.eos_token_id");
+    TS_CHECK(eos >= 0 && eos < t.vocab_size(), path, ": tokenizer.ggml.eos_token_id ", eos, " is outside the ",
+             t.vocab_size(), " tokens");
+    t.eos_ = eos;
+  }
+  return t;
+}
+
 BpeTokenizer BpeTokenizer::from_gguf(const std::string& path) {
   const checkpoint::gguf::File f(path);
   const auto& md = f.header().metadata;
   const std::string model = f.has("tokenizer.ggml.model") ? f.string("tokenizer.ggml.model") : "";
+  if (model == "llama") return from_gguf_spm(f, path);
   TS_CHECK(model == "gpt2", path, ": tokenizer.ggml.model is \"", model,
-           "\"; torchspeed reads the byte-level BPE (\"gpt2\") tokenizers of GGUF files");
+           "\"; torchspeed reads byte-level BPE (\"gpt2\") and SentencePiece (\"llama\") tokenizers of GGUF files");
   const std::string pre = f.has("tokenizer.ggml.pre") ? f.string("tokenizer.ggml.pre") : "default";
   TS_CHECK(pre == "default" || pre == "gpt-2" || pre == "gpt2" || pre == "smollm" || pre == "llama-bpe" || pre == "llama3" ||
                pre == "qwen2",
@@ -649,53 +841,157 @@ BpeTokenizer BpeTokenizer::from_folder(const std::string& dir) {
 }
 
 void BpeTokenizer::bpe(const std::string& piece, std::vector<int64_t>& out) const {
-  std::vector<std::string> sym;
-  sym.reserve(piece.size());
-  for (unsigned char c : piece) sym.push_back(byte_to_unicode_[c]);
+  if (piece.empty()) return;
   if (ignore_merges_) {  // a piece that is a token of its own is taken whole
     std::string whole;
-    for (const auto& x : sym) whole += x;
+    if (spm_) {
+      whole = piece;
+    } else {
+      for (unsigned char c : piece) whole += byte_to_unicode_[c];
+    }
     if (const auto it = vocab_.find(whole); it != vocab_.end()) {
       out.push_back(it->second);
       return;
     }
   }
-  // Merge the lowest-ranked adjacent pair, every occurrence left to right, until none is left.
-  while (sym.size() > 1) {
-    int best = INT_MAX;
-    for (size_t k = 0; k + 1 < sym.size(); ++k) {
-      const auto it = ranks_.find(pair_key(sym[k], sym[k + 1]));
-      if (it != ranks_.end()) best = std::min(best, it->second);
-    }
-    if (best == INT_MAX) break;
-    std::vector<std::string> next;
-    next.reserve(sym.size());
-    for (size_t k = 0; k < sym.size();) {
-      if (k + 1 < sym.size()) {
-        const auto it = ranks_.find(pair_key(sym[k], sym[k + 1]));
-        if (it != ranks_.end() && it->second == best) {
-          next.push_back(sym[k] + sym[k + 1]);
-          k += 2;
-          continue;
-        }
+  // The first symbols: one per byte (byte-level) or per character (SentencePiece style, with
+  // byte fallback), as tokenizers' BPE::merge_word makes them. A symbol the vocabulary lacks is
+  // the unknown token (consecutive ones fused into one under fuse_unk).
+  std::vector<int64_t> ids;
+  ids.reserve(piece.size());
+  bool last_unk = false;
+  auto unknown = [&](const std::string& what) {
+    TS_CHECK(unk_ >= 0, source_, ": '", what, "' is not in the vocabulary, which has no unknown token");
+    if (!(fuse_unk_ && last_unk)) ids.push_back(unk_);
+    last_unk = true;
+  };
+  if (!spm_) {
+    for (unsigned char c : piece) {
+      const auto it = vocab_.find(byte_to_unicode_[c]);
+      if (it == vocab_.end()) {
+        unknown(byte_to_unicode_[c]);
+        continue;
       }
-      next.push_back(sym[k]);
-      ++k;
+      ids.push_back(it->second);
+      last_unk = false;
     }
-    sym.swap(next);
-  }
-  for (const auto& s : sym) {
-    const auto it = vocab_.find(s);
-    if (it == vocab_.end() && unk_ >= 0) {
-      out.push_back(unk_);  // a byte the vocabulary lacks, as `tokenizers` gives unk_token
-      continue;
+  } else {
+    for (const CodePoint& c : code_points(piece)) {
+      const std::string ch = piece.substr(c.begin, c.len);
+      if (const auto it = vocab_.find(ch); it != vocab_.end()) {
+        ids.push_back(it->second);
+        last_unk = false;
+        continue;
+      }
+      bool all = byte_fallback_;
+      for (size_t k = 0; all && k < ch.size(); ++k) all = byte_token_[static_cast<unsigned char>(ch[k])] >= 0;
+      if (all) {
+        for (unsigned char b : ch) ids.push_back(byte_token_[b]);
+        last_unk = false;
+        continue;
+      }
+      unknown(ch);
     }
-    TS_CHECK(it != vocab_.end(), source_, ": BPE produced '", s, "', which the vocabulary does not hold (and it has no unknown token)");
-    out.push_back(it->second);
   }
+  // Merge the lowest-ranked adjacent pair, leftmost first, one at a time, until none is left:
+  // symbols in a linked list, candidate pairs in a heap, stale candidates skipped when popped.
+  const int n = static_cast<int>(ids.size());
+  if (n > 1 && !merges_.empty()) {
+    std::vector<int> prev(static_cast<size_t>(n)), next(static_cast<size_t>(n));
+    std::vector<char> alive(static_cast<size_t>(n), 1);
+    for (int k = 0; k < n; ++k) prev[static_cast<size_t>(k)] = k - 1, next[static_cast<size_t>(k)] = k + 1 < n ? k + 1 : -1;
+    struct Cand {
+      int rank, pos;
+      int64_t merged;
+      bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    };
+    std::vector<Cand> heap;
+    auto consider = [&](int pos) {
+      const int nx = next[static_cast<size_t>(pos)];
+      if (pos < 0 || nx < 0) return;
+      const auto it = merges_.find((static_cast<uint64_t>(ids[static_cast<size_t>(pos)]) << 32) |
+                                   static_cast<uint64_t>(ids[static_cast<size_t>(nx)]));
+      if (it == merges_.end()) return;
+      heap.push_back({it->second.first, pos, it->second.second});
+      std::push_heap(heap.begin(), heap.end(), std::greater<Cand>());
+    };
+    for (int k = 0; k + 1 < n; ++k) consider(k);
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<Cand>());
+      const Cand c = heap.back();
+      heap.pop_back();
+      const size_t p = static_cast<size_t>(c.pos);
+      if (!alive[p] || next[p] < 0) continue;
+      const size_t q = static_cast<size_t>(next[p]);
+      const auto it = merges_.find((static_cast<uint64_t>(ids[p]) << 32) | static_cast<uint64_t>(ids[q]));
+      if (it == merges_.end() || it->second.second != c.merged) continue;  // stale
+      ids[p] = c.merged;
+      alive[q] = 0;
+      next[p] = next[q];
+      if (next[q] >= 0) prev[static_cast<size_t>(next[q])] = c.pos;
+      if (prev[p] >= 0) consider(prev[p]);
+      consider(c.pos);
+    }
+    for (int k = 0; k >= 0; k = next[static_cast<size_t>(k)]) out.push_back(ids[static_cast<size_t>(k)]);
+    return;
+  }
+  out.insert(out.end(), ids.begin(), ids.end());
 }
 
-void BpeTokenizer::encode_plain(const std::string& raw, std::vector<int64_t>& out) const {
+// Note [SentencePiece-style BPE]
+// Llama 2's and Mistral's tokenizer.json (converted from SentencePiece models) mark spaces with
+// U+2581 "▁" instead of mapping bytes: either a normalizer Sequence [Prepend("▁"), Replace(" ",
+// "▁")] with no pre-tokenizer (the "legacy" form: every span between added tokens, the whole span
+// one word, gets the prefix) or a Metaspace pre-tokenizer (replacement "▁", prepend_scheme
+// always/first/never: first = only the span at the start of the text, and not when it already
+// starts with "▁"; split: a new word at each "▁"). The BPE model merges characters; with
+// byte_fallback a character the vocabulary lacks becomes the <0xXX> tokens of its UTF-8 bytes.
+// Decoding maps "▁" back to a space and <0xXX> tokens to their byte. GGUF's "llama" tokenizers
+// (SentencePiece: tokens with scores, no merges) are the same with merges made from the scores:
+// every split of a token into two tokens merges at the rank of the token's score, highest score
+// first, equal scores leftmost first, which is what llama.cpp's SPM tokenizer computes.
+std::string BpeTokenizer::spm_normalize(const std::string& raw, bool at_start) const {
+  static const std::string kMeta = "\xE2\x96\x81";  // U+2581
+  std::string text = nfc_ ? nfc(raw) : raw;
+  if (prepend_ && !text.empty()) text = kMeta + text;
+  auto replace_spaces = [&](std::string& t) {
+    std::string r;
+    r.reserve(t.size() + t.size() / 4);
+    for (char c : t) {
+      if (c == ' ') {
+        r += kMeta;
+      } else {
+        r += c;
+      }
+    }
+    t.swap(r);
+  };
+  if (replace_space_) replace_spaces(text);
+  if (metaspace_ != Metaspace::kNone) {
+    replace_spaces(text);
+    const bool starts = text.compare(0, kMeta.size(), kMeta) == 0;
+    if (!starts && (metaspace_ == Metaspace::kAlways || (metaspace_ == Metaspace::kFirst && at_start))) text = kMeta + text;
+  }
+  return text;
+}
+
+void BpeTokenizer::encode_plain(const std::string& raw, bool at_start, std::vector<int64_t>& out) const {
+  if (spm_) {
+    const std::string text = spm_normalize(raw, at_start);
+    if (metaspace_ == Metaspace::kNone || !metaspace_split_) {
+      bpe(text, out);
+      return;
+    }
+    // Metaspace split: a new word at each "▁", which begins it (MergedWithNext).
+    static const std::string kMeta = "\xE2\x96\x81";
+    size_t begin = 0;
+    for (size_t at = text.find(kMeta, 1); at != std::string::npos; at = text.find(kMeta, at + 1)) {
+      bpe(text.substr(begin, at - begin), out);
+      begin = at;
+    }
+    bpe(text.substr(begin), out);
+    return;
+  }
   const std::string text = nfc_ ? nfc(raw) : raw;
   for (const auto& piece : pre_split(text)) bpe(piece, out);
 }
@@ -715,11 +1011,11 @@ std::vector<int64_t> BpeTokenizer::encode(const std::string& text) const {
       }
     }
     if (!hit) break;
-    encode_plain(text.substr(start, at - start), out);
+    encode_plain(text.substr(start, at - start), start == 0, out);
     out.push_back(hit->second);
     start = at + hit->first.size();
   }
-  if (start < text.size()) encode_plain(text.substr(start), out);
+  if (start < text.size()) encode_plain(text.substr(start), start == 0, out);
   return out;
 }
 
@@ -727,8 +1023,25 @@ std::string BpeTokenizer::token_bytes(int64_t id) const {
   TS_CHECK(id >= 0 && id < vocab_size() && !id_to_token_[static_cast<size_t>(id)].empty(), source_, ": token id ", id,
            " is not in the vocabulary (", vocab_size(), " ids)");
   const std::string& tok = id_to_token_[static_cast<size_t>(id)];
+  if (spm_ && byte_fallback_) {  // a <0xXX> token is its byte (Note [SentencePiece-style BPE])
+    for (int b = 0; b < 256; ++b) {
+      if (byte_token_[static_cast<size_t>(b)] == id) return std::string(1, static_cast<char>(b));
+    }
+  }
   for (const auto& a : added_) {
     if (a.second == id) return a.first;  // added tokens are their literal text
+  }
+  if (spm_) {
+    std::string out;
+    for (size_t i = 0; i < tok.size();) {
+      if (tok.compare(i, 3, "\xE2\x96\x81") == 0) {
+        out += ' ';
+        i += 3;
+      } else {
+        out += tok[i++];
+      }
+    }
+    return out;
   }
   std::string out;
   for (const auto& cp : code_points(tok)) {

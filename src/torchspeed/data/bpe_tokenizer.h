@@ -1,8 +1,12 @@
-// GPT-2's byte-level BPE tokenizer (what Hugging Face's GPT2Tokenizer and the `tokenizers`
-// package's ByteLevel BPE compute), read from GPT-2's vocab.json + merges.txt or from a
-// tokenizer.json. Text is split by GPT-2's pre-tokenization pattern, each piece's UTF-8 bytes are
-// mapped to printable characters (bytes_to_unicode), and merges apply lowest rank first.
-// Any byte sequence round-trips: every byte has a token.
+// BPE tokenizers as Hugging Face's `tokenizers` computes them, in two styles:
+// - byte-level (GPT-2, Llama 3, Qwen2, SmolLM): text is split by the pre-tokenizer, each piece's
+//   UTF-8 bytes are mapped to printable characters (bytes_to_unicode) and merged; any byte
+//   sequence round-trips because every byte has a token;
+// - SentencePiece-style (Llama 2, Mistral; Note [SentencePiece-style BPE]): spaces become U+2581
+//   "▁" (a Prepend/Replace normalizer or a Metaspace pre-tokenizer), merges run over characters,
+//   and a character the vocabulary lacks falls back to its bytes' <0xXX> tokens.
+// Read from GPT-2's vocab.json + merges.txt, a tokenizer.json, or a GGUF file's tokenizer.
+// Merges apply lowest rank first, leftmost first, one at a time (tokenizers' Word::merge_all).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -16,6 +20,10 @@
 
 #include "torchspeed/data/tokenizer.h"
 
+namespace torchspeed::checkpoint::gguf {
+class File;
+}
+
 namespace torchspeed::data {
 
 class BpeTokenizer : public Tokenizer {
@@ -27,10 +35,11 @@ class BpeTokenizer : public Tokenizer {
   static BpeTokenizer from_tokenizer_json(const std::string& path);
   // A folder holding tokenizer.json, or vocab.json and merges.txt.
   static BpeTokenizer from_folder(const std::string& dir);
-  // The tokenizer a GGUF file carries (tokenizer.ggml.model "gpt2": byte-level BPE): its tokens,
-  // merges and token types (control and user-defined tokens are matched literally, as added
-  // tokens), its EOS id; tokenizer.ggml.pre "gpt-2"/"default", or "smollm" (digits split one by
-  // one first). Another pre-tokenizer is refused by name.
+  // The tokenizer a GGUF file carries: tokenizer.ggml.model "gpt2" (byte-level BPE: its tokens,
+  // merges; tokenizer.ggml.pre "gpt-2"/"default", "smollm", "llama-bpe", "qwen2", another is
+  // refused by name) or "llama" (SentencePiece: tokens with scores, merged highest score first
+  // as llama.cpp merges them, byte fallback, a space prefix per tokenizer.ggml.add_space_prefix).
+  // Control and user-defined tokens are matched literally, as added tokens; the EOS id.
   static BpeTokenizer from_gguf(const std::string& path);
 
   // Added tokens (tokenizer.json's added_tokens; GPT-2's <|endoftext|> from a vocab.json) are
@@ -51,13 +60,20 @@ class BpeTokenizer : public Tokenizer {
 
  private:
   BpeTokenizer(std::unordered_map<std::string, int64_t> vocab, std::vector<std::pair<std::string, std::string>> merges,
-               const std::string& source);
+               const std::string& source, bool spm = false, std::vector<int> ranks = {});
+  static BpeTokenizer from_gguf_spm(const checkpoint::gguf::File& f, const std::string& path);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
-  void encode_plain(const std::string& text, std::vector<int64_t>& out) const;
+  void encode_plain(const std::string& text, bool at_start, std::vector<int64_t>& out) const;
+  // The merges as ids: (left << 32 | right) -> (rank, merged id); `order` keeps them by rank.
+  void set_merges(const std::vector<std::pair<std::string, std::string>>& merges, const std::vector<int>& ranks);
+  // SentencePiece style: the normalizer and Metaspace applied to one span of plain text (between
+  // added tokens; `at_start`: the span begins the text).
+  std::string spm_normalize(const std::string& text, bool at_start) const;
 
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::string> id_to_token_;
-  std::unordered_map<std::string, int> ranks_;  // "a\x01b" -> rank
+  std::unordered_map<uint64_t, std::pair<int, int64_t>> merges_;
+  std::vector<std::pair<int64_t, int64_t>> merge_order_;  // by rank
   std::string byte_to_unicode_[256];            // UTF-8 of each byte's character
   std::unordered_map<std::string, uint8_t> unicode_to_byte_;
   std::string source_;
@@ -72,6 +88,15 @@ class BpeTokenizer : public Tokenizer {
   std::vector<std::shared_ptr<const PreStep>> pre_;
   bool ignore_merges_ = false;  // Llama 3: a piece that is a vocabulary token is taken whole
   bool nfc_ = false;            // Qwen2: text NFC-normalized first (ICU)
+  // SentencePiece style (Note [SentencePiece-style BPE]).
+  bool spm_ = false;
+  bool byte_fallback_ = false;
+  bool fuse_unk_ = false;
+  bool prepend_ = false;        // normalizer Prepend("▁") on every non-empty span (Llama 2's legacy)
+  bool replace_space_ = false;  // normalizer Replace(" ", "▁")
+  enum class Metaspace { kNone, kAlways, kFirst, kNever } metaspace_ = Metaspace::kNone;
+  bool metaspace_split_ = false;
+  std::vector<int64_t> byte_token_;  // SentencePiece style: <0xXX> token of each byte, -1 if none
   std::vector<std::string> pre_split(const std::string& text) const;
 };
 
