@@ -3,10 +3,13 @@
 // beside it, as generate and serve choose), cut to the model's context, and run through both of
 // our forward paths: the training LayerStack (models::gpt_spec, what `train` optimizes) and the
 // serving model (inference::InferenceModel over the paged KV cache: the prompt in two chunks,
-// so the second reads the first's keys and values from the cache).
+// so the second reads the first's keys and values from the cache). A TEXT_FILE ending in .json
+// gives the token ids instead (a JSON list).
 // Writes OUT (safetensors): "ids" [T] int64, "train" and "serve" [T, vocab] fp32.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <fstream>
@@ -31,7 +34,11 @@ int main(int argc, char** argv) {
     std::ifstream in(argv[2], std::ios::binary);
     std::stringstream ss;
     ss << in.rdbuf();
-    std::vector<int64_t> ids = tok->encode(ss.str());
+    // TEXT_FILE ending in .json: token ids given as a JSON list (another implementation's tokens).
+    const std::string text_path = argv[2];
+    std::vector<int64_t> ids = text_path.size() > 5 && text_path.compare(text_path.size() - 5, 5, ".json") == 0
+                                   ? nlohmann::json::parse(ss.str()).get<std::vector<int64_t>>()
+                                   : tok->encode(ss.str());
     if (static_cast<int64_t>(ids.size()) > gpt.seq_len) ids.resize(static_cast<size_t>(gpt.seq_len));
     const int64_t T = static_cast<int64_t>(ids.size());
 

@@ -41,10 +41,10 @@ def corpus():
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % b for b in range(256)]
 
 
-def make_spm(kind, out_path):
+def make_spm(kind, out_path, vocab_size=3000):
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-    trainer = trainers.BpeTrainer(vocab_size=3000, min_frequency=2, show_progress=False, limit_alphabet=120,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False, limit_alphabet=120,
                                   special_tokens=SPM_SPECIALS)
     tok.train(corpus(), trainer)
     tok.save(out_path)

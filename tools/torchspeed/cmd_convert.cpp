@@ -6,6 +6,8 @@
 // family (config.json, model.safetensors with transformers' names and layouts, the tokenizer's
 // files) that transformers' AutoModelForCausalLM.from_pretrained(DIR) loads: GPT-2, or Llama /
 // Mistral / Qwen2 / Qwen3 for a model with rotary positions.
+// `torchspeed convert CHECKPOINT --format gguf --to F.gguf [--dtype fp32|fp16|bf16|q8_0]`: a GGUF
+// file llama.cpp runs (checkpoint/gguf_writer.h), with the tokenizer and chat template inside.
 #include <ATen/ATen.h>
 
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/checkpoint/hf_gpt2.h"
 #include "torchspeed/checkpoint/gguf.h"
+#include "torchspeed/checkpoint/gguf_writer.h"
 #include "torchspeed/data/bpe_tokenizer.h"
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/tokenizer.h"
@@ -23,6 +26,68 @@
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::cli {
+namespace {
+
+struct GgufOpts {
+  std::string checkpoint, to, dtype, tokenizer;
+};
+
+int write_gguf(const GgufOpts& o, checkpoint::Model& model) {
+  namespace gg = checkpoint::gguf;
+  const auto section = model.config.value("model", nlohmann::json::object());
+  const gg::Type type = o.dtype == "q8_0" ? gg::Type::kQ8_0 : o.dtype == "bf16" ? gg::Type::kBF16
+                        : o.dtype == "fp16" ? gg::Type::kF16 : gg::Type::kF32;
+  gg::architecture_of(section);  // refuses a model llama.cpp does not compute, before any work
+  const auto tok = data::tokenizer_of_model(o.checkpoint, model, o.tokenizer);
+  const auto* bpe = dynamic_cast<const data::BpeTokenizer*>(tok.get());
+  TS_CHECK(bpe, "convert --format gguf: the model's tokenizer is ", tok->source(),
+           "; a GGUF file carries a BPE tokenizer (give one with --tokenizer)");
+  const int64_t n_vocab = section.at("vocab").get<int64_t>();
+  const auto v = bpe->gguf_vocab(n_vocab);
+  gg::Metadata md;
+  md.emplace_back("tokenizer.ggml.model", v.model);
+  if (!v.pre.empty()) md.emplace_back("tokenizer.ggml.pre", v.pre);
+  md.emplace_back("tokenizer.ggml.tokens", v.tokens);
+  if (!v.scores.empty()) md.emplace_back("tokenizer.ggml.scores", v.scores);
+  md.emplace_back("tokenizer.ggml.token_type", v.types);
+  if (!v.merges.empty()) md.emplace_back("tokenizer.ggml.merges", v.merges);
+  const auto chat = data::chat_format_of_model(o.checkpoint, model, *tok);
+  auto id_of = [&](const char* key) -> int64_t {
+    if (!chat->context.contains(key) || !chat->context[key].is_string()) return -1;
+    const std::string t = chat->context[key].get<std::string>();
+    for (size_t i = 0; i < v.tokens.size(); ++i) {
+      if (v.tokens[i] == t) return static_cast<int64_t>(i);
+    }
+    return -1;
+  };
+  const int64_t bos = id_of("bos_token");
+  const int64_t eos = tok->eos_id() >= 0 ? tok->eos_id() : id_of("eos_token");
+  if (bos >= 0) md.emplace_back("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(bos));
+  if (eos >= 0) md.emplace_back("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(eos));
+  if (v.unk >= 0) md.emplace_back("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(v.unk));
+  // Whether prompts start with BOS: as the source GGUF said; else SentencePiece vocabularies do
+  // (Llama 2, Mistral) and byte-level ones do not (GPT-2, Qwen2, SmolLM2).
+  const auto info = model.config.value("gguf", nlohmann::json::object());
+  const bool add_bos = info.contains("tokenizer.ggml.add_bos_token") && info["tokenizer.ggml.add_bos_token"].is_boolean()
+                           ? info["tokenizer.ggml.add_bos_token"].get<bool>()
+                           : v.model == "llama" && bos >= 0;
+  md.emplace_back("tokenizer.ggml.add_bos_token", add_bos);
+  md.emplace_back("tokenizer.ggml.add_eos_token", false);
+  if (v.model == "llama") md.emplace_back("tokenizer.ggml.add_space_prefix", v.add_space_prefix);
+  if (chat->tmpl) md.emplace_back("tokenizer.chat_template", chat->text);
+  int64_t numel = 0;
+  for (const auto& [n, t] : model.params) numel += t.numel();
+  const std::string name = info.contains("general.name") && info["general.name"].is_string()
+                               ? info["general.name"].get<std::string>()
+                               : std::filesystem::path(o.checkpoint).filename().string();
+  const int64_t bytes = gg::save_gguf(o.to, model.params, section, type, name, md);
+  std::printf("%s: GGUF for llama.cpp, architecture %s, %.2fM parameters (%s), step %ld, %.1f MB, tokenizer %s (%s, %zu tokens)\n",
+              o.to.c_str(), gg::architecture_of(section).c_str(), numel / 1e6, o.dtype.c_str(), static_cast<long>(model.step),
+              bytes / 1e6, tok->source().c_str(), v.model.c_str(), v.tokens.size());
+  return 0;
+}
+
+}  // namespace
 
 Runner add_convert(CLI::App& app) {
   auto* cmd = app.add_subcommand("convert", "Consolidate a training checkpoint into one model.safetensors, or a Hugging Face folder");
@@ -33,12 +98,16 @@ Runner add_convert(CLI::App& app) {
   cmd->add_option("checkpoint", o->checkpoint,
                   "A training checkpoint (a tag folder, or one with `latest`), a run folder or a model folder")->required();
   cmd->add_option("--to", o->to, "Output: a .safetensors file, or with --format hf a folder")->required();
-  cmd->add_option("--format", o->format, "safetensors (torchspeed's names, config in the metadata) or hf (the model's Hugging Face family)")
-      ->check(CLI::IsMember({"safetensors", "hf"}));
+  cmd->add_option("--format", o->format,
+                  "safetensors (torchspeed's names, config in the metadata), hf (the model's Hugging Face family) or gguf (llama.cpp)")
+      ->check(CLI::IsMember({"safetensors", "hf", "gguf"}));
   cmd->add_option("--tokenizer", o->tokenizer, "With --format hf: the tokenizer to copy beside the model (default: the model's own)");
-  cmd->add_option("--dtype", o->dtype, "Output dtype")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  cmd->add_option("--dtype", o->dtype, "Output dtype (q8_0: with --format gguf)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "q8_0"}));
   return [o]() {
     auto model = checkpoint::load_model(o->checkpoint);
+    if (o->format == "gguf") return write_gguf({o->checkpoint, o->to, o->dtype, o->tokenizer}, model);
+    TS_CHECK(o->dtype != "q8_0", "convert: --dtype q8_0 is written with --format gguf only");
     const at::ScalarType dt = o->dtype == "bf16" ? at::kBFloat16 : o->dtype == "fp16" ? at::kHalf : at::kFloat;
     int64_t numel = 0;
     for (auto& [name, t] : model.params) {

@@ -345,6 +345,62 @@ nlohmann::json BpeTokenizer::to_tokenizer_json() const {
             {"byte_fallback", byte_fallback_}, {"ignore_merges", ignore_merges_}, {"vocab", vocab}, {"merges", merges}}}};
 }
 
+BpeTokenizer::GgufVocab BpeTokenizer::gguf_vocab(int64_t n_vocab) const {
+  GgufVocab v;
+  TS_CHECK(n_vocab >= vocab_size(), source_, ": the model's vocabulary (", n_vocab, ") is smaller than the tokenizer's (",
+           vocab_size(), ")");
+  v.model = spm_ ? "llama" : "gpt2";
+  if (!spm_) {
+    auto pattern_is = [&](const char* p) { return pre_.size() == 1 && pre_[0]->kind == PreStep::Kind::kRegex && pre_[0]->pattern == p; };
+    if (pre_.empty()) {
+      v.pre = "gpt-2";
+    } else if (pre_.size() == 2 && pre_[0]->kind == PreStep::Kind::kDigits && pre_[1]->kind == PreStep::Kind::kGpt2) {
+      v.pre = "smollm";
+    } else if (pattern_is(kLlama3Pattern) && ignore_merges_) {
+      v.pre = "llama-bpe";
+    } else if (pattern_is(kQwen2Pattern) && nfc_) {
+      v.pre = "qwen2";
+    } else {
+      TS_CHECK(false, source_, ": this pre-tokenizer has no llama.cpp name (GPT-2's pattern, SmolLM's digits, Llama 3's and ",
+               "Qwen2's regexes do): a GGUF file could not say how to split text");
+    }
+    for (const auto& [a, b] : merge_order_) {
+      v.merges.push_back(id_to_token_[static_cast<size_t>(a)] + " " + id_to_token_[static_cast<size_t>(b)]);
+    }
+  } else {
+    TS_CHECK(!nfc_, source_, ": an NFC normalizer has no place in a GGUF SentencePiece vocabulary");
+    TS_CHECK(metaspace_ != Metaspace::kNever, source_, ": Metaspace prepend_scheme never has no GGUF form");
+    // Mistral's Metaspace (prepend "first") and Llama 2's Prepend differ only after added tokens.
+    v.add_space_prefix = prepend_ || metaspace_ != Metaspace::kNone;
+  }
+  std::vector<bool> special(static_cast<size_t>(n_vocab), false);
+  for (const auto& a : added_) special[static_cast<size_t>(a.second)] = true;
+  // SentencePiece scores: a token made by merge rank r scores -r (earlier merges first); tokens no
+  // merge makes score below every merge.
+  std::vector<float> score;
+  if (spm_) {
+    score.assign(static_cast<size_t>(n_vocab), -1e9f);
+    for (const auto& [key, rm] : merges_) {
+      float& s = score[static_cast<size_t>(rm.second)];
+      s = std::max(s, -static_cast<float>(rm.first));
+    }
+  }
+  for (int64_t id = 0; id < n_vocab; ++id) {
+    const bool have = id < vocab_size() && !id_to_token_[static_cast<size_t>(id)].empty();
+    v.tokens.push_back(have ? id_to_token_[static_cast<size_t>(id)] : concat("[PAD", id, "]"));
+    int32_t type = have ? 1 : 5;
+    if (have && special[static_cast<size_t>(id)]) type = 3;
+    if (have && id == unk_) type = 2;
+    if (have && spm_ && byte_fallback_) {
+      for (int b = 0; b < 256; ++b) type = byte_token_[static_cast<size_t>(b)] == id ? 6 : type;
+    }
+    v.types.push_back(type);
+    if (spm_) v.scores.push_back(type == 1 ? score[static_cast<size_t>(id)] : 0.f);
+  }
+  v.unk = unk_;
+  return v;
+}
+
 std::string BpeTokenizer::normalized(const std::string& text) const {
   if (!nfc_ && !spm_) return text;
   auto norm = [&](const std::string& span, bool at_start) {

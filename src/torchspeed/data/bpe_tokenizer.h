@@ -52,6 +52,21 @@ class BpeTokenizer : public Tokenizer {
   // ByteLevel decoder): what `convert --format hf` writes for a model whose tokenizer came from
   // a GGUF file.
   nlohmann::json to_tokenizer_json() const;
+  // This tokenizer as GGUF's tokenizer.ggml.* metadata (what `convert --format gguf` writes):
+  // byte-level BPE as model "gpt2" with its merges and llama.cpp's name for the pre-tokenizer
+  // (gpt-2, smollm, llama-bpe, qwen2; another is an error naming it); SentencePiece style as
+  // model "llama" with scores from the merge ranks (Note [SentencePiece-style BPE]). Ids past
+  // the vocabulary up to `n_vocab` are llama.cpp's [PADn] unused tokens.
+  struct GgufVocab {
+    std::string model, pre;
+    std::vector<std::string> tokens;
+    std::vector<int32_t> types;       // llama.cpp: 1 normal, 2 unknown, 3 control, 5 unused, 6 byte
+    std::vector<float> scores;        // model "llama"
+    std::vector<std::string> merges;  // model "gpt2"
+    int64_t unk = -1;
+    bool add_space_prefix = false;
+  };
+  GgufVocab gguf_vocab(int64_t n_vocab) const;
   int64_t vocab_size() const override { return static_cast<int64_t>(id_to_token_.size()); }
   int64_t eos_id() const override { return eos_; }
   std::string source() const override { return source_; }

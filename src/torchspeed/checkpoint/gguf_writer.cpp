@@ -1,0 +1,252 @@
+// GGUF out (gguf_writer.h).
+#include "torchspeed/checkpoint/gguf_writer.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::checkpoint::gguf {
+namespace {
+
+// GGUF's value types (gguf.h in ggml).
+enum : uint32_t { kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7, kString = 8, kArray = 9, kU64 = 10 };
+
+void put(std::string& out, const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
+template <typename T>
+void put(std::string& out, T v) {
+  put(out, &v, sizeof(v));
+}
+void put_string(std::string& out, const std::string& s) {
+  put<uint64_t>(out, s.size());
+  out += s;
+}
+
+void put_value(std::string& out, const Value& v) {
+  std::visit(
+      [&](const auto& x) {
+        using X = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<X, uint32_t>) {
+          put<uint32_t>(out, kU32), put(out, x);
+        } else if constexpr (std::is_same_v<X, int32_t>) {
+          put<uint32_t>(out, kI32), put(out, x);
+        } else if constexpr (std::is_same_v<X, float>) {
+          put<uint32_t>(out, kF32), put(out, x);
+        } else if constexpr (std::is_same_v<X, bool>) {
+          put<uint32_t>(out, kBool), put<uint8_t>(out, x ? 1 : 0);
+        } else if constexpr (std::is_same_v<X, std::string>) {
+          put<uint32_t>(out, kString), put_string(out, x);
+        } else if constexpr (std::is_same_v<X, uint64_t>) {
+          put<uint32_t>(out, kU64), put(out, x);
+        } else if constexpr (std::is_same_v<X, std::vector<std::string>>) {
+          put<uint32_t>(out, kArray), put<uint32_t>(out, kString), put<uint64_t>(out, x.size());
+          for (const auto& s : x) put_string(out, s);
+        } else if constexpr (std::is_same_v<X, std::vector<int32_t>>) {
+          put<uint32_t>(out, kArray), put<uint32_t>(out, kI32), put<uint64_t>(out, x.size());
+          put(out, x.data(), x.size() * sizeof(int32_t));
+        } else {
+          static_assert(std::is_same_v<X, std::vector<float>>);
+          put<uint32_t>(out, kArray), put<uint32_t>(out, kF32), put<uint64_t>(out, x.size());
+          put(out, x.data(), x.size() * sizeof(float));
+        }
+      },
+      v);
+}
+
+constexpr uint64_t kAlign = 32;
+void pad(std::string& out) { out.append((kAlign - out.size() % kAlign) % kAlign, '\0'); }
+
+int64_t encoded_bytes(Type type, int64_t n) {
+  switch (type) {
+    case Type::kF32: return 4 * n;
+    case Type::kF16:
+    case Type::kBF16: return 2 * n;
+    case Type::kQ8_0: return n / 32 * 34;
+    default: TS_CHECK(false, "GGUF writer: type ", type_name(static_cast<uint32_t>(type)), " is not written (F32, F16, BF16, Q8_0 are)");
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::string encode(Type type, const float* x, int64_t n) {
+  std::string out;
+  out.reserve(static_cast<size_t>(encoded_bytes(type, n)));
+  switch (type) {
+    case Type::kF32:
+      put(out, x, static_cast<size_t>(n) * 4);
+      break;
+    case Type::kF16:
+      for (int64_t i = 0; i < n; ++i) put<uint16_t>(out, c10::Half(x[i]).x);
+      break;
+    case Type::kBF16:
+      for (int64_t i = 0; i < n; ++i) put<uint16_t>(out, c10::BFloat16(x[i]).x);
+      break;
+    case Type::kQ8_0: {
+      TS_CHECK(n % 32 == 0, "GGUF writer: Q8_0 needs a multiple of 32 values, not ", n);
+      for (int64_t b = 0; b < n; b += 32) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[b + j]));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        put<uint16_t>(out, c10::Half(d).x);
+        for (int j = 0; j < 32; ++j) put<int8_t>(out, static_cast<int8_t>(std::round(x[b + j] * id)));
+      }
+      break;
+    }
+    default: encoded_bytes(type, n);  // the error
+  }
+  return out;
+}
+
+int64_t write(const std::string& path, const Metadata& metadata, const std::vector<OutTensor>& tensors) {
+  std::string out;
+  out += "GGUF";
+  put<uint32_t>(out, 3);
+  put<uint64_t>(out, tensors.size());
+  put<uint64_t>(out, metadata.size());
+  for (const auto& [k, v] : metadata) {
+    put_string(out, k);
+    put_value(out, v);
+  }
+  uint64_t offset = 0;
+  std::vector<at::Tensor> data;
+  for (const auto& t : tensors) {
+    const at::Tensor x = t.data.to(at::kFloat).contiguous();
+    TS_CHECK(x.dim() >= 1 && x.dim() <= 4, path, ": tensor ", t.name, " has ", x.dim(), " dimensions");
+    put_string(out, t.name);
+    put<uint32_t>(out, static_cast<uint32_t>(x.dim()));
+    for (int64_t d = x.dim() - 1; d >= 0; --d) put<uint64_t>(out, static_cast<uint64_t>(x.size(d)));  // fastest first
+    put<uint32_t>(out, static_cast<uint32_t>(t.type));
+    put<uint64_t>(out, offset);
+    offset += static_cast<uint64_t>(encoded_bytes(t.type, x.numel()));
+    offset += (kAlign - offset % kAlign) % kAlign;
+    data.push_back(x);
+  }
+  pad(out);
+  out.reserve(out.size() + offset);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    out += encode(tensors[i].type, data[i].data_ptr<float>(), data[i].numel());
+    pad(out);
+  }
+  write_file_atomic(path, out);
+  return static_cast<int64_t>(out.size());
+}
+
+std::string architecture_of(const nlohmann::json& m) {
+  auto is = [&](const char* key, const std::string& want, const std::string& dflt) { return m.value(key, dflt) == want; };
+  TS_CHECK(is("positions", "rope", "learned"), "convert --format gguf: model.positions is \"",
+           m.value("positions", std::string("learned")), "\"; GGUF is written for rotary-position decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM)");
+  TS_CHECK(is("norm", "rmsnorm", "layernorm"), "convert --format gguf: model.norm is \"", m.value("norm", std::string("layernorm")),
+           "\"; llama.cpp's llama/qwen2/qwen3 architectures use RMSNorm");
+  TS_CHECK(is("activation", "swiglu", "gelu"), "convert --format gguf: model.activation is \"",
+           m.value("activation", std::string("gelu")), "\"; llama.cpp's llama/qwen2/qwen3 architectures use SwiGLU");
+  TS_CHECK(!m.value("mlp_bias", false), "convert --format gguf: model.mlp_bias true has no place in llama.cpp's architectures");
+  const bool qk_norm = m.value("qk_norm", false), qkv_bias = m.value("qkv_bias", false), out_bias = m.value("attn_out_bias", false);
+  if (m.contains("rope_scaling") && m["rope_scaling"].is_object()) {
+    const std::string t = m["rope_scaling"].value("type", std::string("none"));
+    TS_CHECK(t == "none" || t == "linear", "convert --format gguf: model.rope_scaling.type \"", t,
+             "\" is not written yet (none and linear are)");
+  }
+  if (qk_norm) {
+    TS_CHECK(!qkv_bias && !out_bias, "convert --format gguf: q/k norms with attention biases fit no llama.cpp architecture");
+    return "qwen3";
+  }
+  if (qkv_bias) {
+    TS_CHECK(!out_bias, "convert --format gguf: model.attn_out_bias true fits no llama.cpp architecture with q/k/v biases");
+    return "qwen2";
+  }
+  TS_CHECK(!out_bias, "convert --format gguf: model.attn_out_bias true has no place in llama.cpp's llama architecture");
+  return "llama";
+}
+
+int64_t save_gguf(const std::string& path, const NamedTensors& params, const nlohmann::json& m, Type type,
+                  const std::string& name, const Metadata& tokenizer) {
+  const std::string arch = architecture_of(m);
+  const std::string p = arch + ".";
+  const int64_t d = m.at("d_model").get<int64_t>(), heads = m.at("n_head").get<int64_t>();
+  const int64_t kv = m.value("n_kv_head", heads), hd = m.value("head_dim", d / heads);
+  const int64_t n_layer = m.at("n_layer").get<int64_t>(), ff = m.value("d_ff", 4 * d);
+  const int64_t vocab = m.at("vocab").get<int64_t>();
+  Metadata md;
+  md.emplace_back("general.architecture", arch);
+  md.emplace_back("general.name", name);
+  // llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q8_0 7, MOSTLY_BF16 32.
+  const uint32_t ftype = type == Type::kF32 ? 0 : type == Type::kF16 ? 1 : type == Type::kQ8_0 ? 7 : 32;
+  md.emplace_back("general.file_type", ftype);
+  if (type == Type::kQ8_0) md.emplace_back("general.quantization_version", uint32_t{2});
+  md.emplace_back(p + "vocab_size", static_cast<uint32_t>(vocab));
+  md.emplace_back(p + "context_length", static_cast<uint32_t>(m.at("seq_len").get<int64_t>()));
+  md.emplace_back(p + "embedding_length", static_cast<uint32_t>(d));
+  md.emplace_back(p + "block_count", static_cast<uint32_t>(n_layer));
+  md.emplace_back(p + "feed_forward_length", static_cast<uint32_t>(ff));
+  md.emplace_back(p + "attention.head_count", static_cast<uint32_t>(heads));
+  md.emplace_back(p + "attention.head_count_kv", static_cast<uint32_t>(kv));
+  md.emplace_back(p + "attention.key_length", static_cast<uint32_t>(hd));
+  md.emplace_back(p + "attention.value_length", static_cast<uint32_t>(hd));
+  md.emplace_back(p + "rope.dimension_count", static_cast<uint32_t>(hd));
+  md.emplace_back(p + "rope.freq_base", static_cast<float>(m.value("rope_theta", 10000.0)));
+  md.emplace_back(p + "attention.layer_norm_rms_epsilon", static_cast<float>(m.value("layer_norm_eps", 1e-5)));
+  if (m.contains("rope_scaling") && m["rope_scaling"].is_object() && m["rope_scaling"].value("type", std::string()) == "linear") {
+    md.emplace_back(p + "rope.scaling.type", std::string("linear"));
+    md.emplace_back(p + "rope.scaling.factor", static_cast<float>(m["rope_scaling"].at("factor").get<double>()));
+  }
+  md.insert(md.end(), tokenizer.begin(), tokenizer.end());
+
+  std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
+  auto get = [&](const std::string& n) {
+    const auto it = by_name.find(n);
+    TS_CHECK(it != by_name.end(), "convert --format gguf: the model has no parameter ", n);
+    return it->second.to(at::kFloat);
+  };
+  std::vector<OutTensor> ts;
+  auto add = [&](const std::string& n, const at::Tensor& x) {
+    Type t = type;
+    if (x.dim() == 1) t = Type::kF32;
+    if (t == Type::kQ8_0 && x.size(-1) % 32 != 0) t = Type::kF16;
+    ts.push_back({n, x, t});
+  };
+  // llama.cpp's "llama" architecture rotates interleaved pairs: its converter permutes q and k
+  // rows (the inverse of load_gguf's unpermute); qwen2/qwen3 rotate halves as we do.
+  const bool permute = arch == "llama";
+  auto perm = [&](const at::Tensor& w, int64_t n_head) {
+    if (!permute) return w;
+    const int64_t rows = w.size(0);
+    return w.reshape({n_head, 2, hd / 2, -1}).transpose(1, 2).reshape({rows, -1}).contiguous();
+  };
+  add("token_embd.weight", get("embed.tok.weight"));
+  for (int64_t i = 0; i < n_layer; ++i) {
+    const std::string g = "blk." + std::to_string(i) + ".", b = "block" + std::to_string(i) + ".";
+    add(g + "attn_norm.weight", get(b + "ln1.weight"));
+    const auto qkv = get(b + "qkv.weight").split_with_sizes({heads * hd, kv * hd, kv * hd});
+    add(g + "attn_q.weight", perm(qkv[0], heads));
+    add(g + "attn_k.weight", perm(qkv[1], kv));
+    add(g + "attn_v.weight", qkv[2].contiguous());
+    if (m.value("qkv_bias", false)) {
+      const auto bias = get(b + "qkv.bias").split_with_sizes({heads * hd, kv * hd, kv * hd});
+      add(g + "attn_q.bias", perm(bias[0].unsqueeze(1), heads).squeeze(1));
+      add(g + "attn_k.bias", perm(bias[1].unsqueeze(1), kv).squeeze(1));
+      add(g + "attn_v.bias", bias[2].contiguous());
+    }
+    if (m.value("qk_norm", false)) {
+      add(g + "attn_q_norm.weight", get(b + "q_norm.weight"));
+      add(g + "attn_k_norm.weight", get(b + "k_norm.weight"));
+    }
+    add(g + "attn_output.weight", get(b + "attn_proj.weight"));
+    add(g + "ffn_norm.weight", get(b + "ln2.weight"));
+    const auto fc = get(b + "fc.weight").split_with_sizes({ff, ff});
+    add(g + "ffn_gate.weight", fc[0].contiguous());
+    add(g + "ffn_up.weight", fc[1].contiguous());
+    add(g + "ffn_down.weight", get(b + "mlp_proj.weight"));
+  }
+  add("output_norm.weight", get("head.ln_f.weight"));
+  if (!m.value("tie_embeddings", true)) add("output.weight", get("head.weight"));
+  return write(path, md, ts);
+}
+
+}  // namespace torchspeed::checkpoint::gguf
