@@ -4,7 +4,7 @@ llama.cpp from source): llama.cpp loads the file, tokenizes as torchspeed does, 
 logits and generates the same greedy tokens.
 
   llamacpp_parity.py check GGUF --encode ENCODE_FILES --logits MODEL_LOGITS --text TEXT [--files FILE...]
-      - ids: llama.cpp's tokenizer (special tokens parsed, no BOS) on TEXT and each FILE equals
+      - ids: llama.cpp's tokenizer (special tokens parsed, BOS as the file says) on TEXT and each FILE equals
         torchspeed's tokenizer read from the same GGUF (tests/tokenizer/encode_files.cpp);
       - logits: llama.cpp's on the first 64 tokens of TEXT within --tol of torchspeed's training
         and serving paths on the GGUF (tests/hf/gpt2_logits.cpp; F32 files);
@@ -65,7 +65,7 @@ def check(args):
     for path in files:
         with open(path, "rb") as f:
             data = f.read()
-        ref = llm.tokenize(data, add_bos=False, special=True)
+        ref = llm.tokenize(data, add_bos=True, special=True)  # BOS where the file says add_bos_token
         total += len(ref)
         same = ours[path] == ref
         if not same:

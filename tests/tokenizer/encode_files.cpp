@@ -1,6 +1,7 @@
 // Encodes files with a tokenizer as generate and serve load it (data::load_tokenizer: a
 // tokenizer.json, a folder, or a GGUF file's own tokenizer), for a Python test to compare with
-// Hugging Face's. usage: encode_files TOKENIZER OUT.json FILE... ; writes {"FILE": [ids], ...}
+// Hugging Face's (with special tokens: a BOS where the tokenizer adds one, as /v1/completions
+// does). usage: encode_files TOKENIZER OUT.json FILE... ; writes {"FILE": [ids], ...}
 // and checks that decoding gives each file's bytes back (as the tokenizer's normalizer leaves
 // them).
 #include <nlohmann/json.hpp>
@@ -25,11 +26,13 @@ int main(int argc, char** argv) {
       std::stringstream ss;
       ss << in.rdbuf();
       const std::string text = ss.str();
-      const auto ids = tok->encode(text);
+      // As /v1/completions encodes a prompt: the tokenizer's BOS first where it adds one.
+      auto ids = tok->encode(text);
       if (tok->decode(ids) != tok->normalized(text)) {
         std::fprintf(stderr, "encode_files: %s does not decode back to its (normalized) bytes\n", argv[i]);
         return 1;
       }
+      if (tok->bos_to_add() >= 0) ids.insert(ids.begin(), tok->bos_to_add());
       tokens += static_cast<int64_t>(ids.size());
       out[argv[i]] = ids;
     }

@@ -7,7 +7,8 @@ match id for id (tests/tokenizer/families.sh):
   llama3  Sequence [Split(Llama 3's regex, Isolated), ByteLevel(no regex)], ignore_merges
   qwen2   NFC normalizer; Sequence [Split(Qwen2's regex, Isolated), ByteLevel(no regex)]
   llama2  SentencePiece-style BPE with byte fallback, Llama 2's form: normalizer Sequence
-          [Prepend("▁"), Replace(" ", "▁")], no pre-tokenizer, fuse_unk
+          [Prepend("▁"), Replace(" ", "▁")], no pre-tokenizer, fuse_unk, and a
+          TemplateProcessing post-processor that starts every text with <s>
   mistral the same model in Mistral's later form: Metaspace(prepend_scheme "first", no split)
 The patterns are those of Llama 3's and Qwen2's own tokenizer.json; the SentencePiece forms are
 those of Llama 2's and Mistral's tokenizer.json (trained on words split at "▁", as
@@ -53,6 +54,14 @@ def make_spm(kind, out_path, vocab_size=3000):
     # As in Llama 2's own tokenizer.json, the <0xXX> tokens are vocabulary entries, not added tokens.
     j["added_tokens"] = [a for a in j["added_tokens"] if a["content"] in ("<unk>", "<s>", "</s>")]
     if kind == "llama2":
+        # Llama 2's post-processor: every encoded text starts with <s> (add_special_tokens).
+        bos = j["model"]["vocab"]["<s>"]
+        j["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}}}
         j["normalizer"] = {"type": "Sequence", "normalizers": [
             {"type": "Prepend", "prepend": meta}, {"type": "Replace", "pattern": {"String": " "}, "content": meta}]}
         j["pre_tokenizer"] = None

@@ -65,18 +65,17 @@ int write_gguf(const GgufOpts& o, checkpoint::Model& model) {
   if (bos >= 0) md.emplace_back("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(bos));
   if (eos >= 0) md.emplace_back("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(eos));
   if (v.unk >= 0) md.emplace_back("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(v.unk));
-  // Whether prompts start with BOS: as the source GGUF said; else SentencePiece vocabularies do
-  // (Llama 2, Mistral) and byte-level ones do not (GPT-2, Qwen2, SmolLM2).
-  const auto info = model.config.value("gguf", nlohmann::json::object());
-  const bool add_bos = info.contains("tokenizer.ggml.add_bos_token") && info["tokenizer.ggml.add_bos_token"].is_boolean()
-                           ? info["tokenizer.ggml.add_bos_token"].get<bool>()
-                           : v.model == "llama" && bos >= 0;
+  // Whether prompts start with BOS: as the tokenizer adds it (its post-processor, or the source
+  // GGUF's add_bos_token).
+  const bool add_bos = tok->bos_to_add() >= 0;
+  if (add_bos && bos < 0) md.emplace_back("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(tok->bos_to_add()));
   md.emplace_back("tokenizer.ggml.add_bos_token", add_bos);
   md.emplace_back("tokenizer.ggml.add_eos_token", false);
   if (v.model == "llama") md.emplace_back("tokenizer.ggml.add_space_prefix", v.add_space_prefix);
   if (chat->tmpl) md.emplace_back("tokenizer.chat_template", chat->text);
   int64_t numel = 0;
   for (const auto& [n, t] : model.params) numel += t.numel();
+  const auto info = model.config.value("gguf", nlohmann::json::object());
   const std::string name = info.contains("general.name") && info["general.name"].is_string()
                                ? info["general.name"].get<std::string>()
                                : std::filesystem::path(o.checkpoint).filename().string();

@@ -331,13 +331,22 @@ nlohmann::json BpeTokenizer::to_tokenizer_json() const {
       decs.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
     decoder = {{"type", "Sequence"}, {"decoders", decs}};
   }
+  json post_processor = nullptr;
+  if (add_bos_ >= 0) {
+    const std::string bos = id_to_token_[static_cast<size_t>(add_bos_)];
+    post_processor = {{"type", "TemplateProcessing"},
+                      {"single", json::array({{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+                      {"pair", json::array({{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+                                            {{"SpecialToken", {{"id", bos}, {"type_id", 1}}}}, {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}})},
+                      {"special_tokens", {{bos, {{"id", bos}, {"ids", json::array({add_bos_})}, {"tokens", json::array({bos})}}}}}};
+  }
   return {{"version", "1.0"},
           {"truncation", nullptr},
           {"padding", nullptr},
           {"added_tokens", added},
           {"normalizer", normalizer},
           {"pre_tokenizer", pre_tokenizer},
-          {"post_processor", nullptr},
+          {"post_processor", post_processor},
           {"decoder", decoder},
           {"model",
            {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", unk_ >= 0 ? json(id_to_token_[static_cast<size_t>(unk_)]) : json(nullptr)},
@@ -734,8 +743,54 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
     }
   }
   std::stable_sort(t.added_.begin(), t.added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  // A TemplateProcessing post-processor (alone or in a Sequence) whose single-sequence template
+  // starts with a special token: the BOS a prompt starts with.
+  if (j.contains("post_processor") && j["post_processor"].is_object()) {
+    std::vector<const nlohmann::json*> procs{&j["post_processor"]};
+    if (j["post_processor"].value("type", std::string()) == "Sequence" && j["post_processor"].contains("processors") &&
+        j["post_processor"]["processors"].is_array()) {
+      procs.clear();
+      for (const auto& x : j["post_processor"]["processors"]) procs.push_back(&x);
+    }
+    for (const auto* pp : procs) {
+      if (!pp->is_object() || pp->value("type", std::string()) != "TemplateProcessing") continue;
+      const auto& single = pp->contains("single") ? (*pp)["single"] : nlohmann::json();
+      if (!single.is_array() || single.empty() || !single[0].is_object() || !single[0].contains("SpecialToken")) continue;
+      const auto& st = single[0]["SpecialToken"];
+      const std::string name = st.is_object() ? st.value("id", std::string()) : std::string();
+      const auto specials = pp->contains("special_tokens") ? (*pp)["special_tokens"] : nlohmann::json();
+      int64_t id = -1;
+      if (specials.is_object() && specials.contains(name) && specials[name].is_object() && specials[name].contains("ids") &&
+          specials[name]["ids"].is_array() && specials[name]["ids"].size() == 1 && specials[name]["ids"][0].is_number_integer()) {
+        id = specials[name]["ids"][0].get<int64_t>();
+      } else if (const auto it = t.vocab_.find(name); it != t.vocab_.end()) {
+        id = it->second;
+      }
+      TS_CHECK(id >= 0 && id < t.vocab_size(), path, ": post_processor's template starts with \"", name,
+               "\", which is not a token of the vocabulary");
+      t.add_bos_ = id;
+    }
+  }
   return t;
 }
+
+namespace {
+// GGUF's tokenizer.ggml.add_bos_token (llama.cpp's default where it is missing: SentencePiece
+// vocabularies add BOS, byte-level ones do not) with tokenizer.ggml.bos_token_id: the BOS id, -1.
+int64_t gguf_add_bos(const checkpoint::gguf::File& f, const std::string& path, bool dflt, int64_t vocab) {
+  const auto& md = f.header().metadata;
+  bool add = dflt;
+  if (md.contains("tokenizer.ggml.add_bos_token")) {
+    const auto& v = md.at("tokenizer.ggml.add_bos_token");
+    TS_CHECK(v.is_boolean(), path, ": tokenizer.ggml.add_bos_token is not a boolean: ", v.type_name());
+    add = v.get<bool>();
+  }
+  if (!add || !f.has("tokenizer.ggml.bos_token_id")) return -1;
+  const int64_t bos = f.integer("tokenizer.ggml.bos_token_id");
+  TS_CHECK(bos >= 0 && bos < vocab, path, ": tokenizer.ggml.bos_token_id ", bos, " is outside the ", vocab, " tokens");
+  return bos;
+}
+}  // namespace
 
 // GGUF's SentencePiece tokenizer (Note [SentencePiece-style BPE]).
 BpeTokenizer BpeTokenizer::from_gguf_spm(const checkpoint::gguf::File& f, const std::string& path) {
@@ -815,6 +870,7 @@ BpeTokenizer BpeTokenizer::from_gguf_spm(const checkpoint::gguf::File& f, const 
              t.vocab_size(), " tokens");
     t.eos_ = eos;
   }
+  t.add_bos_ = gguf_add_bos(f, path, true, t.vocab_size());
   return t;
 }
 
@@ -885,6 +941,7 @@ BpeTokenizer BpeTokenizer::from_gguf(const std::string& path) {
              t.vocab_size(), " tokens");
     t.eos_ = eos;
   }
+  t.add_bos_ = gguf_add_bos(f, path, false, t.vocab_size());
   return t;
 }
 

@@ -69,6 +69,7 @@ class BpeTokenizer : public Tokenizer {
   GgufVocab gguf_vocab(int64_t n_vocab) const;
   int64_t vocab_size() const override { return static_cast<int64_t>(id_to_token_.size()); }
   int64_t eos_id() const override { return eos_; }
+  int64_t bos_to_add() const override { return add_bos_; }
   std::string source() const override { return source_; }
   // GPT-2's split of `text` into the pieces BPE runs on (for tests).
   static std::vector<std::string> pre_tokenize(const std::string& text);
@@ -94,6 +95,7 @@ class BpeTokenizer : public Tokenizer {
   std::string source_;
   std::vector<std::pair<std::string, int64_t>> added_;  // longest first
   int64_t eos_ = -1;
+  int64_t add_bos_ = -1;
   int64_t unk_ = -1;  // what a byte the vocabulary lacks encodes as (-1: an error)
  public:
   struct PreStep;  // one step of the pre-tokenizer (bpe_tokenizer.cpp)

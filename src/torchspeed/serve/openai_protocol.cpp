@@ -146,6 +146,13 @@ std::string bytes_of_token(const ProtocolLimits& l, int64_t id) {
   return id < t.vocab_size() ? t.token_bytes(id) : std::string();
 }
 std::vector<int64_t> encode(const ProtocolLimits& l, const std::string& s) { return tokenizer_of(l).encode(s); }
+// A completion's prompt text as Hugging Face encodes it with special tokens (vLLM does): the
+// tokenizer's BOS first where it adds one. (A chat prompt's template writes its own BOS.)
+std::vector<int64_t> encode_prompt(const ProtocolLimits& l, const std::string& s) {
+  std::vector<int64_t> ids = encode(l, s);
+  if (const int64_t bos = tokenizer_of(l).bos_to_add(); bos >= 0) ids.insert(ids.begin(), bos);
+  return ids;
+}
 
 std::vector<int64_t> token_list(const json& a, const std::string& field, int64_t vocab) {
   std::vector<int64_t> out;
@@ -195,13 +202,13 @@ CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
   if (!present(b, "prompt")) bad("prompt", "required");
   const json& p = b.at("prompt");
   if (p.is_string()) {
-    add_prompt(r, encode(l, p.get<std::string>()), "prompt", l);
+    add_prompt(r, encode_prompt(l, p.get<std::string>()), "prompt", l);
   } else if (p.is_array() && !p.empty() && p[0].is_number()) {
     add_prompt(r, token_list(p, "prompt", l.vocab), "prompt", l);
   } else if (p.is_array() && !p.empty()) {
     for (size_t i = 0; i < p.size(); ++i) {
       const std::string f = "prompt[" + std::to_string(i) + "]";
-      if (p[i].is_string()) add_prompt(r, encode(l, p[i].get<std::string>()), f, l);
+      if (p[i].is_string()) add_prompt(r, encode_prompt(l, p[i].get<std::string>()), f, l);
       else if (p[i].is_array()) add_prompt(r, token_list(p[i], f, l.vocab), f, l);
       else bad(f, "expected a string or a list of token ids");
     }
