@@ -181,6 +181,21 @@ std::shared_ptr<const BpeTokenizer::PreStep> regex_step(const std::string& patte
   return st;
 }
 
+// SentencePiece's U+2581 "▁" back to spaces (Note [SentencePiece-style BPE]).
+std::string meta_to_spaces(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    if (s.compare(i, 3, "\xE2\x96\x81") == 0) {
+      out += ' ';
+      i += 3;
+    } else {
+      out += s[i++];
+    }
+  }
+  return out;
+}
+
 // Whether s is valid UTF-8 (PCRE2 in UTF mode refuses anything else).
 bool valid_utf8(const std::string& s) {
   for (const CodePoint& c : code_points(s)) {
@@ -414,16 +429,7 @@ std::string BpeTokenizer::normalized(const std::string& text) const {
   if (!nfc_ && !spm_) return text;
   auto norm = [&](const std::string& span, bool at_start) {
     if (!spm_) return nfc(span);
-    std::string n = spm_normalize(span, at_start), out;
-    for (size_t i = 0; i < n.size();) {
-      if (n.compare(i, 3, "\xE2\x96\x81") == 0) {
-        out += ' ';
-        i += 3;
-      } else {
-        out += n[i++];
-      }
-    }
-    return out;
+    return meta_to_spaces(spm_normalize(span, at_start));
   };
   // Added tokens are matched before normalization, as in encode.
   std::string out;
@@ -1145,16 +1151,7 @@ std::string BpeTokenizer::token_bytes(int64_t id) const {
     if (a.second == id) return a.first;  // added tokens are their literal text
   }
   if (spm_) {
-    std::string out;
-    for (size_t i = 0; i < tok.size();) {
-      if (tok.compare(i, 3, "\xE2\x96\x81") == 0) {
-        out += ' ';
-        i += 3;
-      } else {
-        out += tok[i++];
-      }
-    }
-    return out;
+    return meta_to_spaces(tok);
   }
   std::string out;
   for (const auto& cp : code_points(tok)) {
