@@ -124,3 +124,46 @@ TEST(Bpe, EndOfTextIsSplitOffAsOneTokenAndCorporaTokenizeAndDecodeBack) {
   ts_test::expect_error([] { torchspeed::data::load_tokenizer("/nonexistent/tok"); }, "tokenizer '/nonexistent/tok' does not exist");
   fs::remove_all(dir);
 }
+
+// Llama 2's tokenizer.json form (Note [SentencePiece-style BPE]), small: "▁" marks spaces, a
+// character the vocabulary lacks falls back to its bytes' <0xXX> tokens, every span between
+// added tokens gets the "▁" prefix, merges apply lowest rank first, and the post-processor's <s>
+// is the BOS a completion prompt starts with (encode itself never adds it).
+TEST(Bpe, SentencePieceStyleByteFallbackAndBos) {
+  const std::string meta = "\xE2\x96\x81";
+  nlohmann::json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}};
+  static const char* hex = "0123456789ABCDEF";
+  for (int b = 0; b < 256; ++b) vocab[std::string("<0x") + hex[b >> 4] + hex[b & 15] + ">"] = 3 + b;
+  int64_t id = 259;
+  for (const std::string& t : std::vector<std::string>{meta, "a", "b", "c", meta + "a", "ab", meta + "ab", "bc"}) vocab[t] = id++;
+  using json = nlohmann::json;
+  json j = json::object();
+  j["added_tokens"] = json::array({json{{"id", 1}, {"content", "<s>"}, {"special", true}},
+                                   json{{"id", 2}, {"content", "</s>"}, {"special", true}}});
+  json prepend = {{"type", "Prepend"}, {"prepend", meta}};
+  json replace = {{"type", "Replace"}, {"pattern", json{{"String", " "}}}, {"content", meta}};
+  j["normalizer"] = {{"type", "Sequence"}, {"normalizers", json::array({prepend, replace})}};
+  j["pre_tokenizer"] = nullptr;
+  json single = json::array({json{{"SpecialToken", json{{"id", "<s>"}, {"type_id", 0}}}},
+                             json{{"Sequence", json{{"id", "A"}, {"type_id", 0}}}}});
+  json specials = json::object();
+  specials["<s>"] = {{"id", "<s>"}, {"ids", json::array({1})}, {"tokens", json::array({"<s>"})}};
+  j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", single}, {"special_tokens", specials}};
+  j["model"] = {{"type", "BPE"}, {"unk_token", "<unk>"}, {"byte_fallback", true}, {"fuse_unk", true}, {"vocab", vocab},
+                {"merges", json::array({meta + " a", "a b", meta + "a b", "b c"})}};
+  const fs::path path = fs::temp_directory_path() / ("ts-spm-" + std::to_string(::getpid()) + ".json");
+  std::ofstream(path) << j.dump();
+  const auto t = BpeTokenizer::from_tokenizer_json(path.string());
+  const int64_t m = 259, c = 262, ma = 263, mab = 265, bc = 266;
+  // "ab c": "▁ab▁c" -> ▁a (rank 0), then ▁a+b (rank 2) -> ▁ab; "▁c" has no merge.
+  EXPECT_EQ(t.encode("ab c"), (std::vector<int64_t>{mab, m, c}));
+  // "bc" merges (rank 3) only where "▁a"/"ab" did not take the b first; "é" (0xC3 0xA9) falls back to bytes.
+  EXPECT_EQ(t.encode("abc"), (std::vector<int64_t>{mab, c}));
+  EXPECT_EQ(t.encode("bc\xC3\xA9"), (std::vector<int64_t>{m, bc, 3 + 0xC3, 3 + 0xA9}));
+  // An added token starts a new span, which gets its own "▁".
+  EXPECT_EQ(t.encode("a</s>a"), (std::vector<int64_t>{ma, 2, ma}));
+  EXPECT_EQ(t.decode(t.encode("ab c\xC3\xA9")), " ab c\xC3\xA9");
+  EXPECT_EQ(t.normalized("ab c\xC3\xA9"), " ab c\xC3\xA9");
+  EXPECT_EQ(t.bos_to_add(), 1);
+  fs::remove(path);
+}
