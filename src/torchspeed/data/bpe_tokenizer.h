@@ -78,6 +78,9 @@ class BpeTokenizer : public Tokenizer {
   BpeTokenizer(std::unordered_map<std::string, int64_t> vocab, std::vector<std::pair<std::string, std::string>> merges,
                const std::string& source, bool spm = false, std::vector<int> ranks = {});
   static BpeTokenizer from_gguf_spm(const checkpoint::gguf::File& f, const std::string& path);
+  // A GGUF vocabulary's unknown, EOS and BOS ids and its control/user-defined tokens.
+  void take_gguf_specials(const checkpoint::gguf::File& f, const std::string& path,
+                          const std::vector<std::pair<std::string, int64_t>>& special, bool add_bos_default);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
   void encode_plain(const std::string& text, bool at_start, std::vector<int64_t>& out) const;
   // The merges as ids: (left << 32 | right) -> (rank, merged id); `order` keeps them by rank.
@@ -114,6 +117,7 @@ class BpeTokenizer : public Tokenizer {
   enum class Metaspace { kNone, kAlways, kFirst, kNever } metaspace_ = Metaspace::kNone;
   bool metaspace_split_ = false;
   std::vector<int64_t> byte_token_;  // SentencePiece style: <0xXX> token of each byte, -1 if none
+  std::unordered_map<int64_t, uint8_t> byte_of_token_;  // and back
   std::vector<std::string> pre_split(const std::string& text) const;
 };
 
