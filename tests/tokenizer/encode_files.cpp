@@ -26,13 +26,14 @@ int main(int argc, char** argv) {
       std::stringstream ss;
       ss << in.rdbuf();
       const std::string text = ss.str();
-      // As /v1/completions encodes a prompt: the tokenizer's BOS first where it adds one.
-      auto ids = tok->encode(text);
-      if (tok->decode(ids) != tok->normalized(text)) {
+      // As /v1/completions encodes a prompt: the tokenizer's BOS first where it adds one; decoding
+      // the rest gives the text back.
+      const auto ids = tok->encode_prompt(text);
+      const size_t bos = tok->bos_to_add() >= 0 ? 1 : 0;
+      if (tok->decode(std::vector<int64_t>(ids.begin() + bos, ids.end())) != tok->normalized(text)) {
         std::fprintf(stderr, "encode_files: %s does not decode back to its (normalized) bytes\n", argv[i]);
         return 1;
       }
-      if (tok->bos_to_add() >= 0) ids.insert(ids.begin(), tok->bos_to_add());
       tokens += static_cast<int64_t>(ids.size());
       out[argv[i]] = ids;
     }

@@ -60,7 +60,7 @@ int write_gguf(const GgufOpts& o, checkpoint::Model& model) {
     }
     return -1;
   };
-  const int64_t bos = id_of("bos_token");
+  const int64_t bos = tok->bos_to_add() >= 0 ? tok->bos_to_add() : id_of("bos_token");
   const int64_t eos = tok->eos_id() >= 0 ? tok->eos_id() : id_of("eos_token");
   if (bos >= 0) md.emplace_back("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(bos));
   if (eos >= 0) md.emplace_back("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(eos));
@@ -68,7 +68,6 @@ int write_gguf(const GgufOpts& o, checkpoint::Model& model) {
   // Whether prompts start with BOS: as the tokenizer adds it (its post-processor, or the source
   // GGUF's add_bos_token).
   const bool add_bos = tok->bos_to_add() >= 0;
-  if (add_bos && bos < 0) md.emplace_back("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(tok->bos_to_add()));
   md.emplace_back("tokenizer.ggml.add_bos_token", add_bos);
   md.emplace_back("tokenizer.ggml.add_eos_token", false);
   if (v.model == "llama") md.emplace_back("tokenizer.ggml.add_space_prefix", v.add_space_prefix);

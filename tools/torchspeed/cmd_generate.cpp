@@ -36,8 +36,7 @@ Runner add_generate(CLI::App& app) {
     const auto loaded = checkpoint::load_model(o->checkpoint);
     auto gpt = models::GPTConfig::from_json(loaded.config.value("model", nlohmann::json::object()));
     const auto tok = data::tokenizer_of_model(o->checkpoint, loaded, o->tokenizer);
-    auto prompt = tok->encode(o->prompt);
-    if (tok->bos_to_add() >= 0) prompt.insert(prompt.begin(), tok->bos_to_add());  // as /v1/completions
+    const auto prompt = tok->encode_prompt(o->prompt);
     TS_CHECK(!prompt.empty(), "generate: the prompt is empty");
     std::vector<int64_t> out;
     if (static_cast<int64_t>(prompt.size()) + o->sample.max_new_tokens <= gpt.seq_len) {

@@ -17,6 +17,12 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
   return out;
 }
 
+std::vector<int64_t> Tokenizer::encode_prompt(const std::string& text) const {
+  std::vector<int64_t> ids = encode(text);
+  if (const int64_t bos = bos_to_add(); bos >= 0) ids.insert(ids.begin(), bos);
+  return ids;
+}
+
 TokenizerPtr load_tokenizer(const std::string& spec) {
   namespace fs = std::filesystem;
   if (spec.empty() || spec == "bytes") return std::make_shared<ByteTokenizer>();

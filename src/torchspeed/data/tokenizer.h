@@ -24,9 +24,11 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   // The token a prompt starts with (Hugging Face's add_special_tokens: a TemplateProcessing
   // post-processor that begins with a special token, Llama's <s> or <|begin_of_text|>; GGUF's
-  // tokenizer.ggml.add_bos_token), or -1: what /v1/completions and `generate` put before the
-  // encoded prompt text. encode() itself never adds it.
+  // tokenizer.ggml.add_bos_token), or -1. encode() itself never adds it.
   virtual int64_t bos_to_add() const { return -1; }
+  // A prompt's text as Hugging Face encodes it with special tokens (and vLLM and llama.cpp do):
+  // encode() with bos_to_add() first where there is one. What /v1/completions and `generate` use.
+  std::vector<int64_t> encode_prompt(const std::string& text) const;
   // The end-of-text token (GPT-2's <|endoftext|>), or -1 when the vocabulary has none.
   virtual int64_t eos_id() const { return -1; }
   // "bytes" or the file or folder it was read from.

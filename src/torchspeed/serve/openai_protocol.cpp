@@ -148,11 +148,7 @@ std::string bytes_of_token(const ProtocolLimits& l, int64_t id) {
 std::vector<int64_t> encode(const ProtocolLimits& l, const std::string& s) { return tokenizer_of(l).encode(s); }
 // A completion's prompt text as Hugging Face encodes it with special tokens (vLLM does): the
 // tokenizer's BOS first where it adds one. (A chat prompt's template writes its own BOS.)
-std::vector<int64_t> encode_prompt(const ProtocolLimits& l, const std::string& s) {
-  std::vector<int64_t> ids = encode(l, s);
-  if (const int64_t bos = tokenizer_of(l).bos_to_add(); bos >= 0) ids.insert(ids.begin(), bos);
-  return ids;
-}
+std::vector<int64_t> encode_prompt(const ProtocolLimits& l, const std::string& s) { return tokenizer_of(l).encode_prompt(s); }
 
 std::vector<int64_t> token_list(const json& a, const std::string& field, int64_t vocab) {
   std::vector<int64_t> out;
