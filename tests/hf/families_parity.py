@@ -37,28 +37,10 @@ import urllib.request
 
 import torch
 
-FORTUNES = "/usr/share/games/fortunes"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import FORTUNES, check, corpus_files, finish  # noqa: E402
+
 VOCAB = 1024  # the tokenizer's size; each model's vocabulary is a little larger (unused rows)
-failures = []
-checks = 0
-
-
-def check(ok, what):
-    global checks
-    checks += 1
-    if not ok:
-        failures.append(what)
-        print("FAIL " + what, flush=True)
-
-
-def corpus_files():
-    out = []
-    for name in sorted(os.listdir(FORTUNES)):
-        p = os.path.join(FORTUNES, name)
-        if name.endswith(".dat") or os.path.islink(p) or not os.path.isfile(p):
-            continue
-        out.append(p)
-    return out
 
 
 def family_configs():
@@ -219,7 +201,6 @@ def serve(args):
         x = torch.tensor([prompt_ids])
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
                              pad_token_id=model.config.vocab_size - 1, eos_token_id=None)[0].tolist()
-        ref_ids = out[len(prompt_ids):]
         logp = torch.log_softmax(model(torch.tensor([out])).logits[0].double(), -1)
     ref_lp = [logp[i - 1, out[i]].item() for i in range(1, len(out))]
     port = free_port()
@@ -365,9 +346,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     {"make": make, "logits": logits, "serve": serve, "tokens": tokens, "changed": changed}[args.cmd](args)
-    if failures:
-        sys.exit(1)
-    print("families_parity %s: all %d checks passed" % (args.cmd, checks))
+    finish("families_parity %s" % args.cmd)
 
 
 if __name__ == "__main__":

@@ -24,27 +24,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-FORTUNES = "/usr/share/games/fortunes"
-failures = []
-checks = 0
-
-
-def check(ok, what):
-    global checks
-    checks += 1
-    if not ok:
-        failures.append(what)
-        print("FAIL " + what, flush=True)
-
-
-def corpus_files():
-    out = []
-    for name in sorted(os.listdir(FORTUNES)):
-        p = os.path.join(FORTUNES, name)
-        if name.endswith(".dat") or os.path.islink(p) or not os.path.isfile(p):
-            continue
-        out.append(p)
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import FORTUNES, check, corpus_files, finish  # noqa: E402
 
 
 def make(args):
@@ -141,9 +122,7 @@ def main():
         make(args)
         return
     run_check(args)
-    if failures:
-        sys.exit(1)
-    print("gpt2_parity: all %d checks passed" % checks)
+    finish("gpt2_parity")
 
 
 if __name__ == "__main__":

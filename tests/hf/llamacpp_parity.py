@@ -31,6 +31,7 @@ import numpy as np
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, here)
 sys.path.insert(0, os.path.join(here, "..", "tokenizer"))
+import checks  # noqa: E402
 import families_parity as fp  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def run_logits(args, gguf, ids, name):
     from safetensors.numpy import load_file
 
     t = load_file(out)
-    fp.check(t["ids"].tolist() == ids, "%s: gpt2_logits read other ids" % name)
+    checks.check(t["ids"].tolist() == ids, "%s: gpt2_logits read other ids" % name)
     return t["train"], t["serve"]
 
 
@@ -70,10 +71,10 @@ def check(args):
         same = ours[path] == ref
         if not same:
             k = next((i for i, (a, b) in enumerate(zip(ours[path], ref)) if a != b), min(len(ours[path]), len(ref)))
-            fp.check(False, "%s: %s: token %d differs: ours %s, llama.cpp's %s" % (gguf, path, k, ours[path][k:k + 6],
+            checks.check(False, "%s: %s: token %d differs: ours %s, llama.cpp's %s" % (gguf, path, k, ours[path][k:k + 6],
                                                                                   ref[k:k + 6]))
         else:
-            fp.check(True, "")
+            checks.check(True, "")
     print("llamacpp_parity: %s: %d files, %d tokens equal to llama.cpp's tokenizer" % (gguf, len(files), total), flush=True)
     # Logits on the text's first 64 tokens.
     ids = ours[args.text][:64]
@@ -86,7 +87,7 @@ def check(args):
         diff = float(np.abs(got - ref).max())
         print("llamacpp_parity: %s: %d tokens x %d logits, max |torchspeed %s - llama.cpp| = %.3g (span %.3g)" % (
             gguf, len(ids), ref.shape[1], name, diff, span), flush=True)
-        fp.check(diff <= args.tol, "%s: %s logits differ from llama.cpp's by %g > %g" % (gguf, name, diff, args.tol))
+        checks.check(diff <= args.tol, "%s: %s logits differ from llama.cpp's by %g > %g" % (gguf, name, diff, args.tol))
     if args.no_greedy:
         return
     # Greedy: llama.cpp generates, torchspeed's argmax must agree at every step.
@@ -106,7 +107,7 @@ def check(args):
         first = next((i for i, (a, b) in enumerate(zip(mine, gen)) if a != b), None)
         print("llamacpp_parity: %s: %d greedy tokens of llama.cpp, torchspeed %s's argmax agrees on %d" % (
             gguf, len(gen), name, agree), flush=True)
-        fp.check(first is None, "%s: greedy token %s differs: llama.cpp %s, torchspeed %s %s" % (
+        checks.check(first is None, "%s: greedy token %s differs: llama.cpp %s, torchspeed %s %s" % (
             gguf, first, gen[first] if first is not None else None, name, mine[first] if first is not None else None))
 
 
@@ -155,14 +156,14 @@ def writer(args):
         for t in r.tensors:
             src = base[t.name].astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
             want_type = Q.F32 if src.ndim == 1 else t.tensor_type
-            fp.check(t.tensor_type == want_type, "%s: %s is %s, want %s" % (path, t.name, t.tensor_type.name, want_type.name))
+            checks.check(t.tensor_type == want_type, "%s: %s is %s, want %s" % (path, t.name, t.tensor_type.name, want_type.name))
             want = src if want_type == Q.F32 else quantize(src, want_type)
             got = np.array(t.data)
             same = got.tobytes() == np.ascontiguousarray(want).tobytes()
-            fp.check(same, "%s: %s (%s) differs from gguf.quants.quantize" % (path, t.name, t.tensor_type.name))
+            checks.check(same, "%s: %s (%s) differs from gguf.quants.quantize" % (path, t.name, t.tensor_type.name))
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
         other = {k: f.contents() for k, f in r.fields.items() if k not in skip and not k.startswith("GGUF.")}
-        fp.check(other == meta, "%s: metadata differs from %s's: %s" % (
+        checks.check(other == meta, "%s: metadata differs from %s's: %s" % (
             path, args.f32, sorted(k for k in set(other) | set(meta) if other.get(k) != meta.get(k))))
         print("llamacpp_parity writer: %s: %d tensors equal to gguf-py's quantization (%s)" % (
             path, len(r.tensors), ", ".join("%d %s" % (n, k) for k, n in sorted(counts.items()))), flush=True)
@@ -187,10 +188,7 @@ def main():
     w.add_argument("others", nargs="+")
     args = ap.parse_args()
     {"check": check, "make": make, "writer": writer}[args.cmd](args)
-    if fp.failures:
-        print("llamacpp_parity %s: %d of %d checks failed" % (args.cmd, len(fp.failures), fp.checks))
-        sys.exit(1)
-    print("llamacpp_parity %s: all %d checks passed" % (args.cmd, fp.checks))
+    checks.finish("llamacpp_parity %s" % args.cmd)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hf"))
+from checks import corpus_files  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-FORTUNES = "/usr/share/games/fortunes"
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -30,13 +31,7 @@ QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{
 
 
 def corpus():
-    out = []
-    for name in sorted(os.listdir(FORTUNES)):
-        p = os.path.join(FORTUNES, name)
-        if name.endswith(".dat") or os.path.islink(p) or not os.path.isfile(p):
-            continue
-        out.append(p)
-    return out
+    return corpus_files()
 
 
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % b for b in range(256)]
