@@ -14,17 +14,7 @@ py=$1 cli=$2 logits=$3 encode=$4
 here=$(cd "$(dirname "$0")" && pwd)
 gguf=$("$here/../../scripts/smollm2")
 rm -rf llamacpp && mkdir llamacpp && cd llamacpp
-cat > multilingual.txt <<'TEXT'
-Grüße aus Zürich! Ça va? Καλημέρα κόσμε. Привет, мир! こんにちは世界 你好，世界 안녕하세요 🎉👍🏽
-3.14159 and 1,000,000 $5.99 -- 12345678901234567890 I'M YOU'RE it's
-def f(x):
-	return x ** 2  # square
-
-   trailing spaces   
-<|im_start|>user
-Hi<|im_end|>
-<s>[INST] Why?  [/INST] Because.</s>
-TEXT
+cp "$here/../data/multilingual.txt" .
 head -c 2000 /usr/share/games/fortunes/fortunes > text.txt
 check() {
   "$py" "$here/llamacpp_parity.py" check "$@" --encode "$encode" --logits "$logits" --text text.txt \

@@ -12,15 +12,7 @@ py=$1 cli=$2 logits=$3 encode=$4
 here=$(cd "$(dirname "$0")" && pwd)
 gguf=$("$here/../../scripts/smollm2")
 rm -rf hf_smollm2 && mkdir hf_smollm2 && cd hf_smollm2
-cat > multilingual.txt <<'TEXT'
-Grüße aus Zürich! Ça va? Καλημέρα κόσμε. Привет, мир! こんにちは世界 你好，世界 안녕하세요 🎉👍🏽
-3.14159 and 1,000,000 $5.99 -- 12345678901234567890
-def f(x):
-	return x ** 2  # square
-    if x != 0: print(f"{x:>10}")
-<|im_start|>user
-Hi<|im_end|>
-TEXT
+cp "$here/../data/multilingual.txt" .
 set -- multilingual.txt
 for f in /usr/share/games/fortunes/*; do
   case "$f" in *.dat|*.u8) continue ;; esac

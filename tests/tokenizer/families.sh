@@ -10,20 +10,7 @@ py=$1 encode=$2
 here=$(cd "$(dirname "$0")" && pwd)
 rm -rf tok_families && mkdir tok_families && cd tok_families
 "$py" "$here/make_family_tokenizers.py" .
-cat > multilingual.txt <<'TEXT'
-Grüße aus Zürich! Ça va? Καλημέρα κόσμε. Привет, мир! こんにちは世界 你好，世界 안녕하세요 🎉👍🏽
-Combining: e\u0301 vs é; Ångström (A\u030A); ﬁ ligature; ½ ² ٣ ४ — “quotes” ‘single’ …
-3.14159 and 1,000,000 $5.99 -- 12345678901234567890 I'M YOU'RE it's WE'LL they'd
-def f(x):
-	return x ** 2  # square
-    if x != 0: print(f"{x:>10}")
-
-   trailing spaces and lines   
-
-<|im_start|>user
-Hi<|im_end|>
-<s>[INST] Why?  [/INST] Because.</s><s> again </s>
-TEXT
+cp "$here/../data/multilingual.txt" .
 printf 'e\314\201 A\314\212 \342\204\253 caf\303\251 cafe\314\201\n' > combining.txt
 set -- multilingual.txt combining.txt
 for f in /usr/share/games/fortunes/*; do
