@@ -88,8 +88,6 @@ def check(args):
         print("llamacpp_parity: %s: %d tokens x %d logits, max |torchspeed %s - llama.cpp| = %.3g (span %.3g)" % (
             gguf, len(ids), ref.shape[1], name, diff, span), flush=True)
         checks.check(diff <= args.tol, "%s: %s logits differ from llama.cpp's by %g > %g" % (gguf, name, diff, args.tol))
-    if args.no_greedy:
-        return
     # Greedy: llama.cpp generates, torchspeed's argmax must agree at every step.
     prompt = ids[:32]
     llm.reset()
@@ -179,7 +177,6 @@ def main():
     c.add_argument("--logits", required=True)
     c.add_argument("--text", required=True)
     c.add_argument("--tol", type=float, default=1e-3)
-    c.add_argument("--no-greedy", action="store_true", help="quantized files: ids and logits only")
     m = sub.add_parser("make")
     m.add_argument("root")
     m.add_argument("tokenizer")

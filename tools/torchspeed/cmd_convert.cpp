@@ -88,18 +88,18 @@ int write_gguf(const GgufOpts& o, checkpoint::Model& model) {
 }  // namespace
 
 Runner add_convert(CLI::App& app) {
-  auto* cmd = app.add_subcommand("convert", "Consolidate a training checkpoint into one model.safetensors, or a Hugging Face folder");
+  auto* cmd = app.add_subcommand("convert", "Consolidate a training checkpoint into one model.safetensors, a Hugging Face folder or a GGUF file");
   struct Opts {
     std::string checkpoint, to, dtype = "fp32", format = "safetensors", tokenizer;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("checkpoint", o->checkpoint,
                   "A training checkpoint (a tag folder, or one with `latest`), a run folder or a model folder")->required();
-  cmd->add_option("--to", o->to, "Output: a .safetensors file, or with --format hf a folder")->required();
+  cmd->add_option("--to", o->to, "Output: a .safetensors file; with --format hf a folder; with --format gguf a .gguf file")->required();
   cmd->add_option("--format", o->format,
                   "safetensors (torchspeed's names, config in the metadata), hf (the model's Hugging Face family) or gguf (llama.cpp)")
       ->check(CLI::IsMember({"safetensors", "hf", "gguf"}));
-  cmd->add_option("--tokenizer", o->tokenizer, "With --format hf: the tokenizer to copy beside the model (default: the model's own)");
+  cmd->add_option("--tokenizer", o->tokenizer, "With --format hf or gguf: the tokenizer to write with the model (default: the model's own)");
   cmd->add_option("--dtype", o->dtype, "Output dtype (q8_0: with --format gguf)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16", "q8_0"}));
   return [o]() {
