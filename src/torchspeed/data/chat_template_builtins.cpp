@@ -1,6 +1,7 @@
 // The chat-template interpreter's builtins: jinja2's filters and tests, and the str / dict / list
 // methods templates call (chat_template_internal.h).
 #include <algorithm>
+#include <climits>
 #include <charconv>
 #include <cmath>
 #include <ctime>
@@ -383,12 +384,19 @@ Value Renderer::filter(const std::string& name, const Value& v, const Args& a, i
         d = 0;
       }
     }
-    if (name == "int") return Value::of(j.is_number_integer() ? j.get<int64_t>() : static_cast<int64_t>(d));
+    if (name == "int") {
+      if (j.is_number_integer()) return Value::of(j.get<int64_t>());
+      if (!(std::fabs(d) < 9.2e18)) fail(line, concat("int: ", d, " does not fit in 64 bits"));  // also NaN
+      return Value::of(static_cast<int64_t>(d));
+    }
     return Value::of(d);
   }
   if (name == "abs") {
     const json& j = need_json(v, line, "abs");
-    if (j.is_number_integer()) return Value::of(std::llabs(j.get<int64_t>()));
+    if (j.is_number_integer()) {
+      if (j.get<int64_t>() == INT64_MIN) fail(line, "integer overflow: abs(-2**63) does not fit in 64 bits");
+      return Value::of(std::llabs(j.get<int64_t>()));
+    }
     return Value::of(std::fabs(j.get<double>()));
   }
   if (name == "round") {
@@ -469,12 +477,14 @@ Value Renderer::filter(const std::string& name, const Value& v, const Args& a, i
   }
   if (name == "sum") {
     double s = 0;
+    int64_t si = 0;
     bool ints = true;
     for (const auto& x : list_of(v, line, "sum")) {
       ints = ints && x.is_number_integer();
       s += x.is_number() ? x.get<double>() : 0;
+      if (ints && __builtin_add_overflow(si, x.get<int64_t>(), &si)) fail(line, "integer overflow: sum past 64 bits");
     }
-    return ints ? Value::of(static_cast<int64_t>(s)) : Value::of(s);
+    return ints ? Value::of(si) : Value::of(s);
   }
   if (name == "max" || name == "min") {
     const json l = list_of(v, line, name.c_str());

@@ -1,6 +1,7 @@
 // The chat-template interpreter's renderer: scopes, expressions, statements, macros and calls
 // (chat_template_internal.h; filters, tests and methods in chat_template_builtins.cpp).
 #include <algorithm>
+#include <climits>
 #include <charconv>
 #include <cmath>
 #include <ctime>
@@ -116,9 +117,12 @@ Value Renderer::binary(const Node& n, const Value& a, const Value& b) {
   auto as_dbl = [](const json& j) { return j.is_boolean() ? double{j.get<bool>() ? 1.0 : 0.0} : j.get<double>(); };
   if (ints && op != "/" && op != "**") {
     const int64_t p = as_int(x), q = as_int(y);
-    if (op == "+") return Value::of(p + q);
-    if (op == "-") return Value::of(p - q);
-    if (op == "*") return Value::of(p * q);
+    // Python's integers have no bound; ours are 64 bits, and a result past them is an error.
+    int64_t r = 0;
+    const bool over = op == "+" ? __builtin_add_overflow(p, q, &r) : op == "-" ? __builtin_sub_overflow(p, q, &r)
+                      : op == "*" ? __builtin_mul_overflow(p, q, &r) : (p == INT64_MIN && q == -1);
+    if (over) fail(n.line, concat("integer overflow: ", p, " ", op, " ", q, " does not fit in 64 bits"));
+    if (op == "+" || op == "-" || op == "*") return Value::of(r);
     if (q == 0) fail(n.line, "division by zero");
     if (op == "//") return Value::of(p / q - ((p % q != 0) && ((p < 0) != (q < 0)) ? 1 : 0));
     if (op == "%") {
@@ -132,7 +136,11 @@ Value Renderer::binary(const Node& n, const Value& a, const Value& b) {
   if (op == "-") return Value::of(p - q);
   if (op == "*") return Value::of(p * q);
   if (op == "**") {
-    if (ints && as_int(y) >= 0) return Value::of(static_cast<int64_t>(std::llround(std::pow(p, q))));
+    if (ints && as_int(y) >= 0) {
+      const double v = std::pow(p, q);
+      if (!(std::fabs(v) < 9.2e18)) fail(n.line, concat("integer overflow: ", as_int(x), " ** ", as_int(y), " does not fit in 64 bits"));
+      return Value::of(static_cast<int64_t>(std::llround(v)));
+    }
     return Value::of(std::pow(p, q));
   }
   if (q == 0) fail(n.line, "division by zero");
@@ -256,10 +264,14 @@ Value Renderer::invoke(const Value& f, const Args& a, int line) {
     else if (v.size() >= 2) lo = v[0], hi = v[1];
     if (v.size() == 3) st = v[2];
     if (st == 0 || v.empty() || v.size() > 3) fail(line, "range: bad arguments");
-    const int64_t count = st > 0 ? (hi > lo ? (hi - lo + st - 1) / st : 0) : (lo > hi ? (lo - hi - st - 1) / -st : 0);
+    // In 128 bits: the span and the count of 64-bit bounds and steps do not overflow.
+    const __int128 span = st > 0 ? static_cast<__int128>(hi) - lo : static_cast<__int128>(lo) - hi;
+    const __int128 stride = st > 0 ? static_cast<__int128>(st) : -static_cast<__int128>(st);
+    const __int128 n128 = span > 0 ? (span + stride - 1) / stride : 0;
+    const int64_t count = n128 > kMaxSteps ? kMaxSteps + 1 : static_cast<int64_t>(n128);
     step(line, count);  // a list's elements cost a step each, so the step bound covers them
     json out = json::array();
-    for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st) out.push_back(i);
+    for (int64_t k = 0; k < count; ++k) out.push_back(static_cast<int64_t>(lo + static_cast<__int128>(k) * st));
     return Value::of(out);
   }
   if (b == "namespace" || b == "dict") {
@@ -351,7 +363,10 @@ Value Renderer::eval(const Node& n) {
     case Node::K::kUnary: {
       const Value operand = eval(*n.kids[0]);  // held: need_json returns a reference into it
       const json& j = need_json(operand, n.line, "unary -");
-      if (j.is_number_integer()) return Value::of(-j.get<int64_t>());
+      if (j.is_number_integer()) {
+        if (j.get<int64_t>() == INT64_MIN) fail(n.line, "integer overflow: -(-2**63) does not fit in 64 bits");
+        return Value::of(-j.get<int64_t>());
+      }
       if (j.is_number()) return Value::of(-j.get<double>());
       fail(n.line, concat("bad operand for unary -: ", j.type_name()));
     }
