@@ -92,6 +92,11 @@ TEST(Bpe, MalformedFilesAreNamed) {
   ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "the vocabulary has tokens for only 1 of the 256 bytes");
   std::ofstream(dir + "/tokenizer.json") << R"({"model": {"type": "WordPiece"}})";
   ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "only BPE models are read");
+  // A sparse id would size the id table (found by fuzzing: id 2^31 - 1 asked for 64 GB).
+  std::ofstream(dir + "/tokenizer.json") << R"({"model": {"type": "BPE", "vocab": {"a": 2147483647}}, "pre_tokenizer": {"type": "ByteLevel"}})";
+  ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "has id 2147483647, outside [0, 1026]");
+  std::ofstream(dir + "/tokenizer.json") << R"({"model": {"type": "BPE", "vocab": {}, "dropout": 0.1}, "pre_tokenizer": {"type": "ByteLevel"}})";
+  ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "model.dropout 0.1 (BPE-dropout) is not supported");
   fs::remove_all(dir);
 }
 

@@ -338,6 +338,8 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
       }
       TS_CHECK(!a.value("normalized", false) || (!t.nfc_ && !t.prepend_ && !t.replace_space_), path, ": added_tokens[", i,
                "] (\"", content, "\") has normalized true with a normalizer, which is not supported");
+      TS_CHECK(id >= 0 && id <= max_token_id(t.vocab_size() + static_cast<int64_t>(j["added_tokens"].size())), path,
+               ": added_tokens[", i, "] has id ", id, ", far past the ", t.vocab_size(), " tokens of the vocabulary");
       if (id >= t.vocab_size()) t.id_to_token_.resize(static_cast<size_t>(id + 1));
       if (t.id_to_token_[static_cast<size_t>(id)].empty()) t.id_to_token_[static_cast<size_t>(id)] = content;
       t.vocab_[content] = id;

@@ -54,6 +54,10 @@ extern const char* const kQwen2Pattern;
 std::shared_ptr<const BpeTokenizer::PreStep> step_of(BpeTokenizer::PreStep::Kind k);
 std::shared_ptr<const BpeTokenizer::PreStep> regex_step(const std::string& pattern, bool removed, const std::string& source);
 
+// The largest token id a vocabulary of `n` entries may use (ids are dense in real files; some
+// leave a few holes): twice its size plus 1024.
+inline int64_t max_token_id(int64_t n) { return 2 * n + 1024; }
+
 inline const std::string kMeta = "\xE2\x96\x81";  // U+2581, SentencePiece's space
 // SentencePiece's U+2581 back to spaces (Note [SentencePiece-style BPE]).
 std::string meta_to_spaces(const std::string& s);

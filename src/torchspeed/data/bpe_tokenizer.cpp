@@ -17,8 +17,12 @@ BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
     : vocab_(std::move(vocab)), source_(source), spm_(spm) {
   make_byte_map(byte_to_unicode_, unicode_to_byte_);
   int64_t max_id = -1;
+  // Ids are dense in real vocabularies; a sparse one (a hostile file's id 2^31 - 1) would size the
+  // id table by its largest id, so ids are bounded by the vocabulary's size.
+  const int64_t bound = max_token_id(static_cast<int64_t>(vocab_.size()));
   for (const auto& [tok, id] : vocab_) {
-    TS_CHECK(id >= 0 && id < (int64_t{1} << 31), source_, ": token '", tok, "' has id ", id, ", outside [0, 2^31)");
+    TS_CHECK(id >= 0 && id <= bound, source_, ": token '", tok, "' has id ", id, ", outside [0, ", bound, "] (",
+             vocab_.size(), " tokens)");
     max_id = std::max(max_id, id);
   }
   id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
