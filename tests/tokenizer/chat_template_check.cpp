@@ -5,29 +5,19 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 
 #include "torchspeed/data/chat_template.h"
-
-namespace {
-std::string read(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-}  // namespace
+#include "torchspeed/runtime/file.h"
 
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: chat_template_check CASES.json\n");
     return 2;
   }
-  const auto cases = nlohmann::ordered_json::parse(read(argv[1]));
+  const auto cases = nlohmann::ordered_json::parse(torchspeed::read_file(argv[1]));
   std::map<std::string, std::shared_ptr<torchspeed::data::ChatTemplate>> parsed;
   std::map<std::string, std::string> parse_errors;
   std::set<std::string> templates;
@@ -37,7 +27,7 @@ int main(int argc, char** argv) {
     templates.insert(path);
     if (!parsed.count(path) && !parse_errors.count(path)) {
       try {
-        parsed[path] = std::make_shared<torchspeed::data::ChatTemplate>(read(path), path);
+        parsed[path] = std::make_shared<torchspeed::data::ChatTemplate>(torchspeed::read_file(path), path);
       } catch (const std::exception& e) {
         parse_errors[path] = e.what();
       }

@@ -5,19 +5,9 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 
 #include "torchspeed/data/bpe_tokenizer.h"
-
-namespace {
-std::string read(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-}  // namespace
+#include "torchspeed/runtime/file.h"
 
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -28,11 +18,11 @@ int main(int argc, char** argv) {
   using torchspeed::data::BpeTokenizer;
   const BpeTokenizer from_json = BpeTokenizer::from_tokenizer_json(dir + "/tokenizer.json");
   const BpeTokenizer from_files = BpeTokenizer::from_files(dir + "/vocab.json", dir + "/merges.txt");
-  const auto ref = nlohmann::json::parse(read(dir + "/ids.json"));
+  const auto ref = nlohmann::json::parse(torchspeed::read_file(dir + "/ids.json"));
   int64_t tokens = 0, files = 0;
   for (const auto& name : ref.at("files")) {
     const std::string n = name.get<std::string>();
-    const std::string text = read(dir + "/texts/" + n + ".txt");
+    const std::string text = torchspeed::read_file(dir + "/texts/" + n + ".txt");
     const auto want = ref.at("ids").at(n).get<std::vector<int64_t>>();
     for (const BpeTokenizer* t : {&from_json, &from_files}) {
       const auto got = t->encode(text);
