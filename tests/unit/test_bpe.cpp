@@ -97,6 +97,8 @@ TEST(Bpe, MalformedFilesAreNamed) {
   ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "has id 2147483647, outside [0, 1026]");
   std::ofstream(dir + "/tokenizer.json") << R"({"model": {"type": "BPE", "vocab": {}, "dropout": 0.1}, "pre_tokenizer": {"type": "ByteLevel"}})";
   ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "model.dropout 0.1 (BPE-dropout) is not supported");
+  std::ofstream(dir + "/tokenizer.json") << R"({"model": {"type": "BPE", "vocab": {}, "byte_fallback": "yes"}, "pre_tokenizer": {"type": "ByteLevel"}})";
+  ts_test::expect_error([&] { BpeTokenizer::from_folder(dir); }, "tokenizer.json: a value has the wrong type");
   fs::remove_all(dir);
 }
 

@@ -181,7 +181,9 @@ BpeTokenizer BpeTokenizer::from_files(const std::string& vocab_json, const std::
   return BpeTokenizer(std::move(vocab), std::move(merges), vocab_json);
 }
 
-BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
+// A value of another type than the key wants (a string where a boolean belongs) is an error
+// naming the file, through nlohmann's message, not an escape of json's own exception.
+BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) try {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(read_file(path));
@@ -379,6 +381,9 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
     }
   }
   return t;
+} catch (const nlohmann::json::exception& e) {
+  TS_CHECK(false, path, ": a value has the wrong type: ", e.what());
+  throw;
 }
 
 namespace {

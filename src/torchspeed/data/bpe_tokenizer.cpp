@@ -26,7 +26,11 @@ BpeTokenizer::BpeTokenizer(std::unordered_map<std::string, int64_t> vocab,
     max_id = std::max(max_id, id);
   }
   id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
-  for (const auto& [tok, id] : vocab_) id_to_token_[static_cast<size_t>(id)] = tok;
+  for (const auto& [tok, id] : vocab_) {
+    std::string& slot = id_to_token_[static_cast<size_t>(id)];
+    TS_CHECK(slot.empty(), source_, ": tokens '", std::min(slot, tok), "' and '", std::max(slot, tok), "' share id ", id);
+    slot = tok;
+  }
   set_merges(merges, ranks);
   if (spm_) {
     byte_token_.assign(256, -1);
