@@ -235,6 +235,17 @@ TEST(ElasticLaunch, MpirunHangingAfterAnAbortIsStopped) {
   EXPECT_NE(log.find("MPI_ABORT was invoked on rank 1"), std::string::npos) << log;
   EXPECT_NE(log.find("mpirun has not ended 0.5 s after the job failed"), std::string::npos) << log;
 
+  // A rank's own "ending the job" line counts too (mpirun hung before its abort message once, in
+  // multihost_elastic_link with the link down).
+  const std::string rank_ends = write_temp("ts_fake_mpirun5",
+                                           std::string("#!/bin/sh\necho '[rank 0/4] error: ") + kRankEndsJob + ": all_gather ...' >&2\nexec sleep 60\n");
+  std::filesystem::permissions(rank_ends, std::filesystem::perms::owner_all);
+  testing::internal::CaptureStderr();
+  const auto t1 = std::chrono::steady_clock::now();
+  EXPECT_EQ(run_watched({rank_ends}, 0.5), 128 + 9);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 10.0);
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("mpirun has not ended 0.5 s after the job failed"), std::string::npos);
+
   const std::string ends = write_temp("ts_fake_mpirun4", "#!/bin/sh\necho 'a rank failed' >&2\nsleep 1\nexit 3\n");
   std::filesystem::permissions(ends, std::filesystem::perms::owner_all);
   testing::internal::CaptureStderr();

@@ -355,9 +355,12 @@ int run_watched(const std::vector<std::string>& argv, double grace_s, bool* inte
   if (rc != 0) ::close(fds[0]);
   TS_CHECK(rc == 0, "cannot start '", argv[0], "': ", std::strerror(rc));
   int handled = 0;
-  // What mpirun prints once the job is ending because of a failure.
+  // What mpirun prints once the job is ending because of a failure, and what our ranks print when
+  // they end it (mpirun has been seen to hang in its own error reporting, ORTE's show_help, when a
+  // host's link is down, before printing any of its messages).
   static const char* const kEnding[] = {"MPI_ABORT was invoked", "noticed that process rank", "lost communication with a remote daemon",
-                                        "ORTE was unable to reliably start", "exited with non-zero status", "non-zero exit code"};
+                                        "ORTE was unable to reliably start", "exited with non-zero status", "non-zero exit code",
+                                        kRankEndsJob};
   std::string window;
   bool ending = false, killed = false, open = true;
   auto ending_at = std::chrono::steady_clock::now();

@@ -14,6 +14,7 @@
 
 #include "torchspeed/runtime/cpu.h"
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/launcher.h"
 #include "torchspeed/runtime/logging.h"
 
 namespace torchspeed {
@@ -153,7 +154,7 @@ void shutdown() {
     failure = g_comm_failure;
   }
   for (auto& h : hooks) h();
-  if (!failure.empty()) abort_job(concat("ending the job after a communication failure: ", failure), 3);
+  if (!failure.empty()) abort_job(concat(launcher::kRankEndsJob, ": ", failure), 3);
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Finalize();
