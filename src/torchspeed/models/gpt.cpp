@@ -2,6 +2,8 @@
 // 1/sqrt(2 n_layer), zero biases, unit LayerNorm).
 #include "torchspeed/models/gpt.h"
 
+#include "torchspeed/nn/fused_ops.h"
+
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -155,6 +157,7 @@ NormImpl::NormImpl(int64_t dim_, double eps_, bool rms_) : dim(dim_), eps(eps_),
 
 at::Tensor NormImpl::forward(const at::Tensor& x) {
   if (!rms) return at::layer_norm(x, {dim}, weight, bias, eps);
+  if (weight.scalar_type() == x.scalar_type()) return nn::rms_norm(x, weight, eps);  // Note [Fused block operators]
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return weight * y.to(x.scalar_type());
@@ -363,6 +366,10 @@ at::Tensor attend(const at::Tensor& qkv, int64_t H, int64_t KV, int64_t hd, Norm
     // GPT-2: the three thirds as views of one permuted tensor (the layout SDPA has always seen).
     auto parts = qkv.view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     q = parts[0], k = parts[1], v = parts[2];
+  } else if (!q_norm) {
+    // One node: the split, the rotation and the repeated KV heads (Note [Fused block operators]).
+    auto parts = nn::split_qkv_rope(qkv, H, KV, hd, rope.cos, rope.sin);
+    q = parts[0], k = parts[1], v = parts[2];
   } else {
     q = qkv.narrow(-1, 0, H * hd).view({B, T, H, hd});
     k = qkv.narrow(-1, H * hd, KV * hd).view({B, T, KV, hd});
@@ -387,8 +394,7 @@ at::Tensor attend(const at::Tensor& qkv, int64_t H, int64_t KV, int64_t hd, Norm
 // The MLP's activation on fc's output: GELU (exact or tanh), or SwiGLU over [gate; up] halves.
 at::Tensor mlp_activation(const at::Tensor& f, bool swiglu, const std::string& gelu_approximate) {
   if (!swiglu) return at::gelu(f, gelu_approximate);
-  const int64_t half = f.size(-1) / 2;
-  return at::silu(f.narrow(-1, 0, half)) * f.narrow(-1, half, half);
+  return nn::swiglu(f);  // silu(gate) * up, one node (Note [Fused block operators])
 }
 }  // namespace
 

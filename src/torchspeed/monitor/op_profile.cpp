@@ -43,6 +43,7 @@ Category classify(const char* name) {
 
 struct Frame : at::ObserverContext {
   std::chrono::steady_clock::time_point start;
+  const char* name = nullptr;
   double children_s = 0;
   Category category = Category::kOther;
 };
@@ -56,6 +57,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   auto f = std::make_unique<Frame>();
   const bool inside_attention = !t_stack.empty() && t_stack.back()->category == Category::kAttention;
   f->category = inside_attention ? Category::kAttention : classify(fn.name());
+  f->name = fn.name();
   t_stack.push_back(f.get());
   f->start = std::chrono::steady_clock::now();
   return f;
@@ -75,7 +77,10 @@ void on_end(const at::RecordFunction&, at::ObserverContext* ctx) {
   switch (f->category) {
     case Category::kGemm: g_out->gemm_s += own; break;
     case Category::kAttention: g_out->attention_s += own; break;
-    case Category::kOther: g_out->other_s += own; break;
+    case Category::kOther:
+      g_out->other_s += own;
+      g_out->other_by_op[f->name ? f->name : "?"] += own;
+      break;
   }
 }
 

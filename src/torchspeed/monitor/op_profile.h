@@ -4,6 +4,7 @@
 // less its children's) into a category. See Note [Operator categories] in op_profile.cpp.
 #pragma once
 
+#include <map>
 #include <string>
 
 namespace torchspeed::monitor {
@@ -13,6 +14,7 @@ struct OpTimes {
   double attention_s = 0;  // scaled_dot_product_attention and everything it runs, forward and backward
   double other_s = 0;      // every other operator: element-wise, norms, softmax, copies, embedding
   int64_t ops = 0;         // operators observed
+  std::map<std::string, double> other_by_op;  // "other"'s exclusive seconds by operator name
   double total_s() const { return gemm_s + attention_s + other_s; }
 };
 

@@ -62,6 +62,9 @@ struct Unit {
   // storage dtype (partitioned), its copy in the communication dtype, and the reduce-scatter
   // output [shard].
   at::Tensor grad, comm_buf, recv;
+  // Partitioned: which parameters' slices of `grad` this backward wrote (the rest of the
+  // uninitialised bucket is zeroed when it is launched).
+  std::vector<char> grad_written;
   comm::WorkPtr work;
   int ready = 0;
   bool launched = false;
