@@ -1,7 +1,10 @@
-// `torchspeed bench train`: GPT training throughput at dp 2 beside what a user would run instead,
-// on the same model (pre-LN, GELU, tied head), the same global batch, this machine, one run:
-// PyTorch 2.x DDP (gloo), DeepSpeed ZeRO-2 and ZeRO-3 (scripts/bench-env's .venv-bench), Debian's
-// PyTorch 1.13 DDP, and `torchspeed train` itself. Every implementation runs once per round,
+// `torchspeed bench train`: training throughput at dp 2 beside what a user would run instead,
+// on the same model, the same global batch, this machine, one run: PyTorch 2.x DDP (gloo),
+// DeepSpeed ZeRO-2 and ZeRO-3 (scripts/bench-env's .venv-bench), Debian's PyTorch 1.13 DDP, and
+// `torchspeed train` itself. The models: GPT-2 shapes (pre-LN, GELU, tied head; the peers run
+// benchmarks/peers_gpt.py's copy of it) and SmolLM2-135M's Llama shape, where the peers run
+// transformers' LlamaForCausalLM and every implementation trains the same weights (a folder
+// transformers writes once per run), in fp32 and in bf16. Every implementation runs once per round,
 // rounds alternate the order, and the tables show medians. Our rows carry a step breakdown
 // (GEMM, attention, other operators, optimizer, communication wait) from one profiled step and
 // MFU against the fp32 GEMM rate measured at the model's shapes on both ranks at once.
@@ -18,6 +21,7 @@
 #include <sstream>
 
 #include "bench_report.h"
+#include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/monitor/op_profile.h"
@@ -33,7 +37,17 @@ struct ModelCase {
   models::GPTConfig gpt;
   int64_t micro;        // per rank; the global batch is 2 x micro
   int warmup, steps;    // per run
+  bool llama = false;   // peers run transformers' LlamaForCausalLM from a shared init folder
 };
+
+// SmolLM2-135M's shape (its GGUF's metadata), trained on 256-token sequences.
+models::GPTConfig smollm2_135m() {
+  models::GPTConfig c;
+  c.vocab = 49152; c.seq_len = 256; c.d_model = 576; c.n_layer = 30; c.n_head = 9; c.n_kv_head = 3; c.head_dim = 64; c.d_ff = 1536;
+  c.norm = "rmsnorm"; c.positions = "rope"; c.rope_theta = 100000.0; c.activation = "swiglu";
+  c.qkv_bias = c.attn_out_bias = c.mlp_bias = false;
+  return c;
+}
 
 std::vector<ModelCase> cases(bool quick) {
   models::GPTConfig tiny;
@@ -43,7 +57,7 @@ std::vector<ModelCase> cases(bool quick) {
   d256.seq_len = 128; d256.d_model = 256; d256.n_layer = 4; d256.n_head = 4;
   models::GPTConfig d768;
   d768.seq_len = 256; d768.d_model = 768; d768.n_layer = 12; d768.n_head = 12;
-  return {{"gpt-d256", d256, 8, 2, 8}, {"gpt-d768", d768, 4, 1, 3}};
+  return {{"gpt-d256", d256, 8, 2, 8}, {"gpt-d768", d768, 4, 1, 3}, {"smollm2-135m", smollm2_135m(), 2, 2, 3, true}};
 }
 
 ModelCase find_case(const std::string& name) {
@@ -56,11 +70,13 @@ ModelCase find_case(const std::string& name) {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// fp32 GEMM rate of this thread at the model's shapes: the block's four products ([rows, d] x
-// [d, 3d], [d, d], [d, 4d], [4d, d] with rows = micro x seq), weighted by their FLOPs.
+// fp32 GEMM rate of this thread at the model's shapes: the block's four products (rows x qkv,
+// attention output, fc, MLP output with rows = micro x seq) and the LM head's, weighted by their
+// FLOPs.
 double model_gemm_gflops(const models::GPTConfig& g, int64_t micro) {
-  const int64_t rows = micro * g.seq_len, d = g.d_model;
-  const std::vector<std::pair<int64_t, int64_t>> kn = {{d, 3 * d}, {d, d}, {d, 4 * d}, {4 * d, d}};
+  const int64_t rows = micro * g.seq_len, d = g.d_model, f = g.ff();
+  const std::vector<std::pair<int64_t, int64_t>> kn = {{d, g.q_width() + 2 * g.kv_width()}, {g.q_width(), d},
+                                                       {d, g.swiglu() ? 2 * f : f}, {f, d}, {d, g.vocab}};
   double flops = 0, secs = 0;
   for (auto [k, n] : kn) {
     at::Tensor a = at::randn({rows, k}), b = at::randn({k, n}), c = at::mm(a, b);
@@ -150,11 +166,23 @@ int run_train_engine_part(const BenchArgs& args) {
   if (spec.contains("config")) ds.merge_patch(spec["config"]);  // e.g. other bucket sizes, by hand
   auto cfg = config::Config::parse(ds, shape);
   torch::manual_seed(0);
-  auto engine = initialize(rt, models::make_gpt(mc.gpt), cfg);
+  std::unique_ptr<Engine> engine;
+  if (spec.contains("init")) {
+    // The weights the peers train too: the folder transformers wrote, read as --init-from reads it.
+    const auto model = checkpoint::load_model(spec.at("init").get<std::string>());
+    const auto loaded = models::GPTConfig::from_json(model.config.at("model"));
+    TS_CHECK(loaded.to_json() == mc.gpt.to_json(), "bench train: ", model.source, " holds model ", loaded.to_json().dump(),
+             ", not the case's ", mc.gpt.to_json().dump());
+    auto init = std::make_shared<std::map<std::string, at::Tensor>>();
+    for (const auto& [name, t] : model.params) (*init)[name] = t;
+    engine = initialize(rt, models::gpt_spec(mc.gpt, 0, nullptr, init), cfg);
+  } else {
+    engine = initialize(rt, models::make_gpt(mc.gpt), cfg);
+  }
   auto world = engine->groups().world;
   auto step = [&](monitor::OpTimes* ops) {
-    at::Tensor x = at::randint(0, 256, {mc.micro, mc.gpt.seq_len}, at::kLong);
-    at::Tensor y = at::randint(0, 256, {mc.micro, mc.gpt.seq_len}, at::kLong);
+    at::Tensor x = at::randint(0, mc.gpt.vocab, {mc.micro, mc.gpt.seq_len}, at::kLong);
+    at::Tensor y = at::randint(0, mc.gpt.vocab, {mc.micro, mc.gpt.seq_len}, at::kLong);
     {
       std::optional<monitor::OpTimeProfile::Scope> scope;
       if (ops) scope.emplace(*ops);
@@ -190,6 +218,11 @@ int run_train_engine_part(const BenchArgs& args) {
         {"breakdown_s", {{"step", profiled_s}, {"gemm", ops.gemm_s}, {"attention", ops.attention_s},
                          {"other_ops", ops.other_s}, {"optimizer", optimizer}, {"comm_wait", comm_wait},
                          {"rest", profiled_s - ops.total_s() - optimizer - comm_wait}}}};
+    // The largest "other" operators, where the time outside GEMMs goes.
+    std::vector<std::pair<double, std::string>> others;
+    for (const auto& [name, s] : ops.other_by_op) others.push_back({s, name});
+    std::sort(others.rbegin(), others.rend());
+    for (size_t i = 0; i < others.size() && i < 12; ++i) r["other_ops_s"][others[i].second] = others[i].first;
     std::printf("%s\n", r.dump().c_str());
   }
   return 0;
@@ -212,29 +245,63 @@ int run_train(const BenchArgs& args, const std::string& self) {
   if (bench_py.empty()) std::printf("bench train: scripts/bench-env failed: no PyTorch 2.x / DeepSpeed rows\n");
   const int rounds = args.quick ? 1 : 3;
   int port = 29620;
+  // --spec '{"cases": ["smollm2-135m"]}' runs some of the models.
+  std::vector<std::string> only;
+  if (!args.spec.empty()) {
+    const auto j = nlohmann::json::parse(args.spec);
+    for (const auto& [k, v] : j.items()) TS_CHECK(k == "cases", "bench train --spec: unknown key '", k, "' (known: cases)");
+    for (const auto& c : j.value("cases", nlohmann::json::array())) {
+      find_case(c.get<std::string>());
+      only.push_back(c.get<std::string>());
+    }
+  }
 
-  for (const auto& mc : cases(args.quick)) {
+  for (auto mc : cases(args.quick)) {
+    if (!only.empty() && std::find(only.begin(), only.end(), mc.name) == only.end()) continue;
     const auto& g = mc.gpt;
     std::printf("bench train: %s (d %ld, %ld layers, seq %ld, micro-batch %ld x 2 ranks; %.1fM parameters), %d rounds\n",
                 mc.name.c_str(), static_cast<long>(g.d_model), static_cast<long>(g.n_layer), static_cast<long>(g.seq_len),
                 static_cast<long>(mc.micro), g.num_params() / 1e6, rounds);
     std::fflush(stdout);
+    std::string init;  // the Llama shape's shared weights
+    if (mc.llama) {
+      if (bench_py.empty()) {
+        std::printf("  skipped: transformers writes this model's weights (scripts/bench-env failed)\n\n");
+        continue;
+      }
+      init = tmp_path(mc.name + "-init");
+      std::filesystem::remove_all(init);
+      const std::string out = tmp_path("init.txt");
+      const int rc = launcher::run_command(
+          {bench_py, src + "/benchmarks/peers_gpt.py", "--arch", "llama", "--save-init", init, "--vocab", std::to_string(g.vocab),
+           "--d_model", std::to_string(g.d_model), "--d_ff", std::to_string(g.ff()), "--layers", std::to_string(g.n_layer),
+           "--heads", std::to_string(g.n_head), "--kv_heads", std::to_string(g.kv_heads()), "--seq", std::to_string(g.seq_len),
+           "--rope_theta", concat(g.rope_theta)},
+          out, out);
+      if (rc != 0) {
+        std::printf("  skipped: writing the weights with transformers failed (exit %d; %s)\n\n", rc, out.c_str());
+        continue;
+      }
+    }
     std::vector<Impl> impls;
     auto ours = [&](int stage, const std::string& prec) {
       launcher::LaunchOptions lo;
       lo.num_ranks = 2;
-      lo.program = {self, "bench", "train", "--engine-part", "--spec",
-                    nlohmann::json{{"case", mc.name}, {"stage", stage}, {"precision", prec}}.dump()};
+      nlohmann::json spec = {{"case", mc.name}, {"stage", stage}, {"precision", prec}};
+      if (!init.empty()) spec["init"] = init;
+      lo.program = {self, "bench", "train", "--engine-part", "--spec", spec.dump()};
       impls.push_back({concat("torchspeed ZeRO-", stage, " ", prec), "ours",
                        launcher::build_command(lo, launcher::LaunchContext::current())});
     };
     ours(2, "fp32");
     ours(3, "fp32");
     ours(2, "bf16");
-    const std::vector<std::string> model_args = {
+    if (mc.llama) ours(3, "bf16");
+    std::vector<std::string> model_args = {
         "--seq", std::to_string(g.seq_len), "--d_model", std::to_string(g.d_model), "--layers", std::to_string(g.n_layer),
         "--heads", std::to_string(g.n_head), "--micro", std::to_string(mc.micro), "--steps", std::to_string(mc.steps),
-        "--warmup", std::to_string(mc.warmup)};
+        "--warmup", std::to_string(mc.warmup), "--vocab", std::to_string(g.vocab)};
+    if (mc.llama) model_args.insert(model_args.end(), {"--arch", "llama", "--init", init});
     auto peer = [&](const std::string& name, const std::string& py, std::vector<std::string> extra) {
       std::vector<std::string> argv = {py, src + "/benchmarks/peers_gpt.py", "--nproc", "2", "--port",
                                        std::to_string(port++)};
@@ -246,9 +313,14 @@ int run_train(const BenchArgs& args, const std::string& self) {
       peer("PyTorch 2.x DDP", bench_py, {"--impl", "ddp"});
       peer("DeepSpeed ZeRO-2", bench_py, {"--impl", "deepspeed", "--stage", "2"});
       peer("DeepSpeed ZeRO-3", bench_py, {"--impl", "deepspeed", "--stage", "3"});
+      if (mc.llama) {
+        peer("PyTorch 2.x DDP bf16", bench_py, {"--impl", "ddp", "--bf16"});
+        peer("DeepSpeed ZeRO-2 bf16", bench_py, {"--impl", "deepspeed", "--stage", "2", "--bf16"});
+        peer("DeepSpeed ZeRO-3 bf16", bench_py, {"--impl", "deepspeed", "--stage", "3", "--bf16"});
+      }
     }
-    if (debian_torch) peer("PyTorch 1.13 DDP (Debian)", "/usr/bin/python3", {"--impl", "ddp"});
-    if (mc.name != "gpt-d768") {
+    if (debian_torch && !mc.llama) peer("PyTorch 1.13 DDP (Debian)", "/usr/bin/python3", {"--impl", "ddp"});
+    if (mc.name == "gpt-d256" || mc.name == "gpt-tiny") {
       // The main job on the same shape: torchspeed train, ZeRO-2 fp32, real data, its own loop.
       const std::string cfg_path = tmp_path(mc.name + ".json"), out_dir = tmp_path(mc.name + "-run");
       const int total = 2 * (mc.warmup + mc.steps);
@@ -287,13 +359,24 @@ int run_train(const BenchArgs& args, const std::string& self) {
     }
     auto med = [&](const std::string& name) { return tps.count(name) ? median(tps[name]) : 0.0; };
     const double ours2 = med("torchspeed ZeRO-2 fp32"), ours3 = med("torchspeed ZeRO-3 fp32");
+    // Each row against our ZeRO-2 and ZeRO-3 rows of the same precision (bf16 rows: ours in bf16).
+    auto is_bf16 = [](const std::string& name) { return name.find("bf16") != std::string::npos; };
+    auto ours_at = [&](int stage, const std::string& name) {
+      return med(concat("torchspeed ZeRO-", stage, is_bf16(name) ? " bf16" : " fp32"));
+    };
     std::printf("\n%s: median tokens/s of %d rounds\n", mc.name.c_str(), rounds);
-    std::printf("  %-28s %10s %12s %12s\n", "implementation", "tokens/s", "ZeRO-2 fp32", "ZeRO-3 fp32");
+    std::printf("  %-28s %10s %12s %12s\n", "implementation", "tokens/s", "our ZeRO-2", "our ZeRO-3");
     std::printf("  %-28s %10s %12s %12s\n", "", "", "is this x", "is this x");
+    auto ratio_cell = [](double ours_v, double v) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.2fx", ours_v / v);
+      return ours_v > 0 ? std::string(buf) : std::string("-");
+    };
     for (const auto& i : impls) {
       const double v = med(i.name);
       if (v > 0) {
-        std::printf("  %-28s %10.0f %11.2fx %11.2fx\n", i.name.c_str(), v, ours2 / v, ours3 / v);
+        std::printf("  %-28s %10.0f %12s %12s\n", i.name.c_str(), v, ratio_cell(ours_at(2, i.name), v).c_str(),
+                    ratio_cell(ours_at(3, i.name), v).c_str());
       } else {
         std::printf("  %-28s %10s\n", i.name.c_str(), "failed");
       }
@@ -338,7 +421,14 @@ int run_train(const BenchArgs& args, const std::string& self) {
     };
     ratio_target("torchspeed ZeRO-2 fp32", ours2, "DeepSpeed ZeRO-2", 1.3);
     ratio_target("torchspeed ZeRO-2 fp32", ours2, "PyTorch 2.x DDP", 1.2);
-    if (mc.name == "gpt-d768") ratio_target("torchspeed ZeRO-3 fp32", ours3, "DeepSpeed ZeRO-3", 1.3);
+    if (mc.name == "gpt-d768" || mc.llama) ratio_target("torchspeed ZeRO-3 fp32", ours3, "DeepSpeed ZeRO-3", 1.3);
+    if (mc.llama) {
+      // bf16 against the peers' bf16, where this CPU multiplies bf16 faster than fp32.
+      const double ours2b = med("torchspeed ZeRO-2 bf16"), ours3b = med("torchspeed ZeRO-3 bf16");
+      ratio_target("torchspeed ZeRO-2 bf16", ours2b, "DeepSpeed ZeRO-2 bf16", 1.3);
+      ratio_target("torchspeed ZeRO-3 bf16", ours3b, "DeepSpeed ZeRO-3 bf16", 1.3);
+      ratio_target("torchspeed ZeRO-2 bf16", ours2b, "PyTorch 2.x DDP bf16", 1.2);
+    }
     if (tps.count("torchspeed train (main job)")) {
       report.add_target(concat(mc.name, " torchspeed train tokens/s / engine ZeRO-2 fp32"),
                         ours2 > 0 ? med("torchspeed train (main job)") / ours2 : 0.0, 0.95);

@@ -1,8 +1,18 @@
 """The peers of `torchspeed bench train`: what a user would run instead of torchspeed.
 
-Trains the same GPT as torchspeed's models::GPT (pre-LN blocks, exact GELU, learned positions,
-tied LM head, byte vocabulary) on random tokens with fp32 AdamW, 2 processes on one machine, and
-prints one JSON line with the tokens per second of the timed steps:
+Trains the same model as torchspeed on random tokens with AdamW, 2 processes on one machine, and
+prints one JSON line with the tokens per second of the timed steps. The model:
+
+  --arch gpt        torchspeed's GPT-2 shape (pre-LN blocks, exact GELU, learned positions, tied
+                    LM head, byte vocabulary), written out here
+  --arch llama      transformers' LlamaForCausalLM (SDPA attention) loaded with from_pretrained
+                    from --init, a folder --save-init wrote once (torchspeed loads the same
+                    folder, so both train the same weights)
+
+  --bf16            bf16 compute: DDP under torch.autocast (fp32 weights, bf16 matrix products),
+                    DeepSpeed with its "bf16" section (bf16 weights, fp32 master copies)
+
+The implementations:
 
   --impl ddp        torch.nn.parallel.DistributedDataParallel over gloo
   --impl deepspeed  deepspeed.initialize with ZeRO --stage 2 or 3 (DeepSpeed's CPU accelerator;
@@ -18,6 +28,7 @@ Python 3.11. Alone:
   .venv-bench/bin/python benchmarks/peers_gpt.py --nproc 2 --impl deepspeed --stage 2
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -73,15 +84,38 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.tok.weight.t()
 
 
+def save_llama(args):
+    """A LlamaForCausalLM of the given shape, seeded, saved in fp32 (config.json, model.safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.d_ff,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=args.seq,
+                      rope_theta=args.rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(args.save_init)
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser()
     for name, default in [("seq", 128), ("d_model", 192), ("layers", 4), ("heads", 6), ("micro", 16), ("steps", 5),
                           ("warmup", 2), ("stage", 2), ("vocab", 256)]:
         p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--impl", choices=["ddp", "deepspeed"], default="ddp")
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--init", default="", help="--arch llama: the Hugging Face folder to train from")
+    p.add_argument("--save-init", default="", help="--arch llama: write a seeded LlamaForCausalLM here and exit")
+    for name in ("kv_heads", "d_ff"):
+        p.add_argument("--" + name, type=int, default=0)
+    p.add_argument("--rope_theta", type=float, default=10000.0)
+    p.add_argument("--bf16", action="store_true")
     p.add_argument("--nproc", type=int, default=0, help="start this many processes (0: run as one of them)")
     p.add_argument("--port", type=int, default=29630)
     args = p.parse_args()
+    if args.save_init:
+        return save_llama(args)
     if args.nproc > 0 and "RANK" not in os.environ:
         procs = []
         for r in range(args.nproc):
@@ -97,15 +131,35 @@ def main():
         os.sched_setaffinity(0, {cores[rank * (len(cores) // world)]})
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
+    if args.arch == "llama":
+        from transformers import LlamaForCausalLM  # noqa: E402
+
+        hf = LlamaForCausalLM.from_pretrained(args.init, torch_dtype=torch.float32, attn_implementation="sdpa")
+        hf.config.use_cache = False
+        assert hf.config.vocab_size == args.vocab, (hf.config.vocab_size, args.vocab)
+
+        class Logits(nn.Module):  # the logits, as GPT's forward returns them
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, idx):
+                return self.m(input_ids=idx, use_cache=False).logits
+
+        model = Logits(hf)
+    else:
+        model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 and args.impl == "ddp" else contextlib.nullcontext()
     if args.impl == "ddp":
         dist.init_process_group("gloo", rank=rank, world_size=world)
         engine = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        label = f"pytorch_{torch.__version__.split('+')[0]}_ddp_gloo"
+        label = f"pytorch_{torch.__version__.split('+')[0]}_ddp_gloo" + ("_autocast_bf16" if args.bf16 else "")
 
         def train_step(x, y):
-            loss = F.cross_entropy(engine(x).reshape(-1, args.vocab).float(), y.reshape(-1))
+            with autocast:
+                logits = engine(x)
+            loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -123,8 +177,10 @@ def main():
             "steps_per_print": 10 ** 9,
             "wall_clock_breakdown": False,
         }
+        if args.bf16:
+            config["bf16"] = {"enabled": True}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        label = f"deepspeed_{deepspeed.__version__}_zero{args.stage}"
+        label = f"deepspeed_{deepspeed.__version__}_zero{args.stage}" + ("_bf16" if args.bf16 else "")
 
         def train_step(x, y):
             loss = F.cross_entropy(engine(x).reshape(-1, args.vocab).float(), y.reshape(-1))
