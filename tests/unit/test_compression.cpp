@@ -189,6 +189,32 @@ TEST(Compression, PatternsBindToOurNamesAndGpt2Names) {
                         "with tensor_parallel.tp_size 2");
 }
 
+TEST(Compression, LlamaConfigsNameTheSeparateProjections) {
+  // A Llama config names q_proj, k_proj, v_proj and gate_proj, up_proj: together they are our
+  // fused qkv and fc layers; some of them alone are refused by name.
+  ts::models::GPTConfig c = tiny();
+  c.n_kv_head = 1, c.norm = "rmsnorm", c.positions = "rope", c.activation = "swiglu";
+  c.qkv_bias = c.attn_out_bias = c.mlp_bias = false;
+  auto stack = ts::models::make_gpt(c);
+  auto cfg = parse(weight_quant({}, {{"attn", {{"params", {{"start_bits", 8}, {"target_bits", 8}}},
+                                               {"modules", {"q_proj", "k_proj", "v_proj", "o_proj"}}}},
+                                     {"mlp", {{"params", {{"start_bits", 4}, {"target_bits", 4}}},
+                                              {"modules", {"layers\\.1\\.mlp\\.(gate|up)_proj"}}}}}));
+  ts::compression::Schedule s(cfg.compression, stack, nullptr, 1);
+  EXPECT_EQ(s.bound("attn"), (std::vector<std::string>{"block0.attn_proj", "block1.attn_proj", "block0.qkv", "block1.qkv"}));
+  EXPECT_EQ(s.bound("mlp"), (std::vector<std::string>{"block1.fc"}));
+  auto* block1 = dynamic_cast<ts::models::GPTBlockImpl*>(stack->layer_module(2).get());
+  ASSERT_TRUE(block1);
+  EXPECT_EQ(block1->qkv_q.weight_bits, 8);
+  EXPECT_EQ(block1->fc_q.weight_bits, 4);
+  auto part = parse(weight_quant({}, {{"wq", {{"params", {{"start_bits", 8}, {"target_bits", 8}}}, {"modules", {"q_proj", "v_proj"}}}}}));
+  auto stack2 = ts::models::make_gpt(c);
+  ts_test::expect_error([&] { ts::compression::Schedule(part.compression, stack2, nullptr, 1); },
+                        "different_groups.wq.modules names model.layers.0.self_attn.q_proj, model.layers.0.self_attn.v_proj but "
+                        "not model.layers.0.self_attn.k_proj: torchspeed fuses them into one layer (block0.qkv, "
+                        "model.layers.0.self_attn.qkv_proj) that is quantized as a whole; name all of them");
+}
+
 TEST(Compression, OffsetsFollowDeepSpeedsCounters) {
   // Forward quantization and activations: on once `applied` reaches schedule_offset.
   auto cfg = parse({{"compression_training",

@@ -60,6 +60,10 @@ struct Site {
   Kind kind = Kind::kLinear;
   int64_t rows = 0;                  // the weight's rows (an embedding's tokens)
   SiteState* state = nullptr;        // owned by the model layer
+  // Hugging Face's separate layers fused into this one, by full name (Llama's
+  // "model.layers.0.self_attn.q_proj", k_proj, v_proj for our qkv): a config group that names
+  // all of them quantizes the fused layer; one that names only some is refused.
+  std::vector<std::string> parts;
 };
 
 // Implemented by model layers (GPT's embedding, blocks and untied head) that can be compressed.

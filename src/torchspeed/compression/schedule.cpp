@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <map>
 #include <regex>
 
@@ -30,6 +31,14 @@ namespace torchspeed::compression {
 // its parameter loop; here the reset applies to every layer of that call.
 
 namespace {
+// Whether the pattern names one of the Hugging Face layers fused into the site ("v_proj" names
+// v_proj, though it is also found in the fused layer's vLLM name "qkv_proj").
+bool names_part(const std::regex& re, const Site& s) {
+  for (const auto& p : s.parts)
+    if (std::regex_search(p, re)) return true;
+  return false;
+}
+
 bool matches(const std::regex& re, const std::string& layer, const Site& s) {
   if (std::regex_search(layer + "." + s.name, re)) return true;
   for (const auto& a : s.aliases)
@@ -90,7 +99,7 @@ void Schedule::bind(const std::vector<config::QuantizeGroupConfig>& groups, bool
       for (const auto& [layer, sites] : layers_) {
         for (const auto& s : sites) {
           if (linear_only && s.kind != Site::Kind::kLinear) continue;
-          if (!matches(re, layer, s)) continue;
+          if (!matches(re, layer, s) || names_part(re, s)) continue;  // parts: below
           ++n;
           const std::string name = layer + "." + s.name;
           if (const auto it = taken.find(s.state); it != taken.end()) {
@@ -104,6 +113,42 @@ void Schedule::bind(const std::vector<config::QuantizeGroupConfig>& groups, bool
         }
       }
       counts.push_back(n);
+    }
+    // Hugging Face's separate layers that torchspeed fuses (q_proj, k_proj and v_proj into
+    // qkv; gate_proj and up_proj into fc): the group has the fused layer when its patterns name
+    // every one of them, and is refused when they name only some.
+    const size_t first = counts.size() - groups[g].modules.size();
+    for (const auto& [layer, sites] : layers_) {
+      for (const auto& s : sites) {
+        if (s.parts.empty() || (linear_only && s.kind != Site::Kind::kLinear)) continue;
+        std::vector<bool> named(s.parts.size(), false);
+        for (size_t k = 0; k < groups[g].modules.size(); ++k) {
+          const std::regex re(groups[g].modules[k]);
+          bool any = false;
+          for (size_t q = 0; q < s.parts.size(); ++q) {
+            if (std::regex_search(s.parts[q], re)) named[q] = any = true;
+          }
+          if (any) ++counts[first + k];
+        }
+        const auto n_named = std::count(named.begin(), named.end(), true);
+        const std::string name = layer + "." + s.name;
+        if (n_named == 0 || (taken.count(s.state) && taken[s.state] == groups[g].name)) continue;
+        if (n_named < static_cast<int64_t>(s.parts.size())) {
+          std::string given, missing;
+          for (size_t q = 0; q < s.parts.size(); ++q) {
+            std::string& list = named[q] ? given : missing;
+            list += (list.empty() ? "" : ", ") + s.parts[q];
+          }
+          TS_CHECK(false, groups[g].path, ".modules names ", given, " but not ", missing, ": torchspeed fuses them into one layer (",
+                   name, ", ", s.aliases.back(), ") that is quantized as a whole; name all of them");
+        }
+        if (const auto it = taken.find(s.state); it != taken.end()) {
+          TS_CHECK(false, groups[g].path, ".modules name ", s.parts.front(), " and the rest of ", name, ", which ", what,
+                   " group '", it->second, "' already has (as in DeepSpeed, a layer is in one group)");
+        }
+        taken[s.state] = groups[g].name;
+        out.push_back({s.state, s.kind, s.rows, g, name});
+      }
     }
   }
   if (stages && stages->size() > 1 && !counts.empty()) {

@@ -316,8 +316,8 @@ at::Tensor GPTEmbeddingImpl::forward(const at::Tensor& tokens) {
 std::vector<compression::Site> GPTEmbeddingImpl::compression_sites() {
   using K = compression::Site::Kind;
   std::vector<compression::Site> sites{{"tok", {"transformer.wte", "model.embed_tokens"}, K::kEmbedding,
-                                        tok->options.num_embeddings(), &tok_q}};
-  if (pos) sites.push_back({"pos", {"transformer.wpe"}, K::kEmbedding, pos->options.num_embeddings(), &pos_q});
+                                        tok->options.num_embeddings(), &tok_q, {}}};
+  if (pos) sites.push_back({"pos", {"transformer.wpe"}, K::kEmbedding, pos->options.num_embeddings(), &pos_q, {}});
   return sites;
 }
 
@@ -416,10 +416,12 @@ std::vector<compression::Site> GPTBlockImpl::compression_sites() {
   using K = compression::Site::Kind;
   const std::string h = "transformer.h." + std::to_string(index) + ".";
   const std::string l = "model.layers." + std::to_string(index) + ".";
-  return {{"qkv", {h + "attn.c_attn", l + "self_attn.qkv_proj"}, K::kLinear, qkv->options.out_features(), &qkv_q},
-          {"attn_proj", {h + "attn.c_proj", l + "self_attn.o_proj"}, K::kLinear, attn_proj->options.out_features(), &attn_proj_q},
-          {"fc", {h + "mlp.c_fc", l + "mlp.gate_up_proj"}, K::kLinear, fc->options.out_features(), &fc_q},
-          {"mlp_proj", {h + "mlp.c_proj", l + "mlp.down_proj"}, K::kLinear, mlp_proj->options.out_features(), &mlp_proj_q}};
+  return {{"qkv", {h + "attn.c_attn", l + "self_attn.qkv_proj"}, K::kLinear, qkv->options.out_features(), &qkv_q,
+           {l + "self_attn.q_proj", l + "self_attn.k_proj", l + "self_attn.v_proj"}},
+          {"attn_proj", {h + "attn.c_proj", l + "self_attn.o_proj"}, K::kLinear, attn_proj->options.out_features(), &attn_proj_q, {}},
+          {"fc", {h + "mlp.c_fc", l + "mlp.gate_up_proj"}, K::kLinear, fc->options.out_features(), &fc_q,
+           swiglu ? std::vector<std::string>{l + "mlp.gate_proj", l + "mlp.up_proj"} : std::vector<std::string>{l + "mlp.up_proj"}},
+          {"mlp_proj", {h + "mlp.c_proj", l + "mlp.down_proj"}, K::kLinear, mlp_proj->options.out_features(), &mlp_proj_q, {}}};
 }
 
 GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) : is_tied(tied.defined()), vocab(c.vocab) {
@@ -438,7 +440,7 @@ at::Tensor GPTHeadImpl::forward(const at::Tensor& x) {
 
 std::vector<compression::Site> GPTHeadImpl::compression_sites() {
   if (is_tied) return {};
-  return {{"head", {"lm_head"}, compression::Site::Kind::kLinear, vocab, &weight_q}};
+  return {{"head", {"lm_head"}, compression::Site::Kind::kLinear, vocab, &weight_q, {}}};
 }
 
 GPTEmbeddingTPImpl::GPTEmbeddingTPImpl(const GPTEmbedding& dense, const comm::CommunicatorPtr& tp) {
