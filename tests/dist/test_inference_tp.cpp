@@ -16,13 +16,18 @@ using namespace torchspeed::inference;
 using ts_test::world;
 
 namespace {
-checkpoint::Model make_model() {
+// GPT-2's shape, or Llama's with 2 KV heads (at tp 4 two ranks hold each, as vLLM replicates them).
+checkpoint::Model make_model(bool llama = false) {
   models::GPTConfig c;
   c.vocab = 256;
   c.seq_len = 64;
   c.d_model = 64;
   c.n_layer = 2;
   c.n_head = 4;
+  if (llama) {
+    c.n_kv_head = 2, c.norm = "rmsnorm", c.positions = "rope", c.activation = "swiglu", c.d_ff = 96;
+    c.qkv_bias = c.attn_out_bias = c.mlp_bias = false;
+  }
   torch::manual_seed(11);
   auto stack = models::make_gpt(c);
   {
@@ -59,11 +64,10 @@ std::vector<std::vector<int64_t>> serve_all(Engine& e) {
   e.run_until_idle();
   return out;
 }
-}  // namespace
 
-TEST(InferenceTP, TokensEqualTheDenseModels) {
+void check_tokens_equal_the_dense_models(bool llama) {
   auto tp = world();
-  const checkpoint::Model m = make_model();
+  const checkpoint::Model m = make_model(llama);
   auto model = std::make_shared<InferenceModel>(m, WeightFormat::kFP32, tp);
   EXPECT_EQ(model->local_heads(), 4 / tp->size());
   if (tp->rank() != 0) {
@@ -88,4 +92,14 @@ TEST(InferenceTP, TokensEqualTheDenseModels) {
     EXPECT_EQ(parallel[i], ref[i]) << "request " << i << " at tp " << tp->size();
     EXPECT_EQ(ref[i].size(), 10 + i);
   }
+}
+}  // namespace
+
+TEST(InferenceTP, TokensEqualTheDenseModels) { check_tokens_equal_the_dense_models(false); }
+
+TEST(InferenceTP, LlamaTokensEqualTheDenseModelsWithSplitOrSharedKVHeads) {
+  check_tokens_equal_the_dense_models(true);
+  auto tp = world();
+  InferenceModel model(make_model(true), WeightFormat::kFP32, tp);
+  EXPECT_EQ(model.local_kv_heads(), std::max(2 / tp->size(), 1));
 }

@@ -214,7 +214,8 @@ TEST(TensorParallelParity, MatchesPlainLibTorch) {
 }
 
 // The Llama-shaped model (grouped-query attention, RoPE, RMSNorm, SwiGLU) in every mode: data
-// parallel at ZeRO 0-3, tensor parallel (each rank whole KV heads with their query groups),
+// parallel at ZeRO 0-3, tensor parallel (each rank whole KV heads with their query groups, or
+// tp 4 over 2 KV heads, two ranks sharing each),
 // pipeline, and their combinations, against the same plain-LibTorch reference.
 TEST(LlamaShapedParity, MatchesPlainLibTorch) {
   const int n = world()->size();
@@ -226,6 +227,8 @@ TEST(LlamaShapedParity, MatchesPlainLibTorch) {
   } else if (n == 4) {
     check_parity(llama(with_tp(1, 2, 2)));         // tp 2 x dp 2, ZeRO-2
     check_parity(llama(with_tp(2, 2)));            // tp 2 x pp 2
+    check_parity(llama(with_tp(1, 4)));            // tp 4 over 2 KV heads: two ranks share each
+    check_parity(llama(with_tp(1, 4, 3, 1)));      // the same at ZeRO-3 with checkpointing
   } else {
     GTEST_SKIP() << "runs at 2 or 4 ranks";
   }

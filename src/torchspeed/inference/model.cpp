@@ -103,10 +103,14 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
   if (tp && tp->size() > 1) tp_ = tp;
   const int tps = tp_ ? tp_->size() : 1, tpr = tp_ ? tp_->rank() : 0;
   TS_CHECK(cfg_.n_head % tps == 0, "model.n_head ", cfg_.n_head, " does not divide by --tp ", tps);
-  TS_CHECK(cfg_.kv_heads() % tps == 0, "model.n_kv_head ", cfg_.kv_heads(), " does not divide by --tp ", tps,
-           ": each rank serves whole key/value heads");
+  // Each rank serves whole key/value heads; with fewer KV heads than ranks, tp / n_kv_head
+  // consecutive ranks each hold (and cache) the one KV head of their query heads, as vLLM
+  // replicates them.
+  TS_CHECK(cfg_.kv_heads() % tps == 0 || tps % cfg_.kv_heads() == 0, "model.n_kv_head ", cfg_.kv_heads(), " and --tp ", tps,
+           ": each rank serves whole key/value heads, so one must divide the other");
   heads_ = cfg_.n_head / tps;
-  kv_heads_ = cfg_.kv_heads() / tps;
+  kv_heads_ = std::max<int64_t>(cfg_.kv_heads() / tps, 1);
+  const int64_t kv_first = cfg_.kv_heads() % tps == 0 ? tpr * kv_heads_ : tpr / (tps / cfg_.kv_heads());
   if (!cfg_.swiglu()) gelu_ = activation_for_gelu(cfg_.gelu_approximate());
   hd_ = cfg_.hd();
   Params p;
@@ -115,13 +119,12 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
   auto split = [&](const at::Tensor& full, tensor_parallel::Split s) {
     return tp_ && full.defined() ? tensor_parallel::slice(full, s, tpr, tps).contiguous() : full;
   };
-  // The fused qkv rows [q | k | v]: each part split by this rank's heads.
-  const int64_t Q = cfg_.q_width(), KVW = cfg_.kv_width();
+  // The fused qkv rows [q | k | v]: this rank's query heads and their KV heads.
+  const int64_t Q = cfg_.q_width(), KVW = cfg_.kv_width(), local_kv = kv_heads_ * cfg_.hd();
   auto split_qkv = [&](const at::Tensor& full) {
     if (!tp_ || !full.defined()) return full;
-    const int64_t r = static_cast<int64_t>(tpr), n = static_cast<int64_t>(tps);
-    return at::cat({full.narrow(0, r * Q / n, Q / n), full.narrow(0, Q + r * KVW / n, KVW / n),
-                    full.narrow(0, Q + KVW + r * KVW / n, KVW / n)})
+    const int64_t r = static_cast<int64_t>(tpr), n = static_cast<int64_t>(tps), kv0 = kv_first * cfg_.hd();
+    return at::cat({full.narrow(0, r * Q / n, Q / n), full.narrow(0, Q + kv0, local_kv), full.narrow(0, Q + KVW + kv0, local_kv)})
         .contiguous();
   };
   auto maybe = [&](bool present, const std::string& name) { return present ? p.take(name) : at::Tensor(); };

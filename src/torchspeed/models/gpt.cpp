@@ -463,12 +463,21 @@ GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPt
     : head_dim(dense->head_dim), gelu_approximate(dense->gelu_approximate), swiglu(dense->swiglu), rope(dense->rope) {
   TS_CHECK(dense->n_head % tp->size() == 0, "model.n_head ", dense->n_head, " does not divide by tensor_parallel.tp_size ",
            tp->size());
-  // Grouped-query attention: each rank takes whole KV heads with their query groups.
-  TS_CHECK(dense->n_kv_head % tp->size() == 0, "model.n_kv_head ", dense->n_kv_head,
-           " does not divide by tensor_parallel.tp_size ", tp->size(),
-           " (replicating key/value heads across tensor-parallel ranks is not supported yet)");
-  local_heads = dense->n_head / tp->size();
-  local_kv_heads = dense->n_kv_head / tp->size();
+  // Grouped-query attention: each rank takes whole KV heads with their query groups; with fewer
+  // KV heads than ranks, each KV head is shared by tp / n_kv_head consecutive ranks (Note [Shared
+  // key/value heads]).
+  const int64_t tps = tp->size();
+  local_heads = dense->n_head / tps;
+  if (dense->n_kv_head % tps == 0) {
+    local_kv_heads = dense->n_kv_head / tps;
+  } else {
+    TS_CHECK(tps % dense->n_kv_head == 0 && dense->head_dim % (tps / dense->n_kv_head) == 0, "model.n_kv_head ",
+             dense->n_kv_head, " and tensor_parallel.tp_size ", tps, ": the ranks take whole key/value heads (tp_size dividing "
+             "n_kv_head) or share them (n_kv_head dividing tp_size, head_dim ", dense->head_dim, " dividing by the ranks sharing one)");
+    local_kv_heads = 1;
+    kv_replicas = tps / dense->n_kv_head;
+    kv_group = tensor_parallel::replica_group(tp, static_cast<int>(kv_replicas));
+  }
   // Registered in the dense block's order, so parameters line up with the dense model's.
   ln1 = register_module("ln1", copy_norm(dense->ln1));
   // qkv rows are [q heads | k heads | v heads] (widths H : KV : KV): each part is split by heads.
@@ -489,8 +498,23 @@ GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPt
   drop = register_module("drop", torch::nn::Dropout(dense->drop->options.p()));
 }
 
+// Note [Shared key/value heads]
+// With fewer KV heads than tensor-parallel ranks (tp 4 over Llama's 2 KV heads), the qkv weight
+// is still split by rows as always: each rank's rows are its query heads and 1/r of one KV head's
+// key and value rows, where r = tp / n_kv_head ranks share that head. Forward gathers the head's
+// keys and values from those r ranks; backward sums the r ranks' gradients of them (each attends
+// with other query heads) and gives each rank its part. Parameters stay plain row splits, so
+// checkpoints, resharding and the gradient norm treat them as any split weight; vLLM instead
+// holds the whole head on each sharing rank.
 at::Tensor GPTBlockTPImpl::forward(const at::Tensor& x) {
-  at::Tensor y = attend(qkv(ln1(x)), local_heads, local_kv_heads, head_dim, q_norm, k_norm, rope, drop);
+  at::Tensor h_qkv = qkv(ln1(x));
+  if (kv_replicas > 1) {
+    const int64_t qw = local_heads * head_dim, part = head_dim / kv_replicas;
+    h_qkv = at::cat({h_qkv.narrow(-1, 0, qw), tensor_parallel::gather_sum_from_region(h_qkv.narrow(-1, qw, part), kv_group),
+                     tensor_parallel::gather_sum_from_region(h_qkv.narrow(-1, qw + part, part), kv_group)},
+                    -1);
+  }
+  at::Tensor y = attend(h_qkv, local_heads, local_kv_heads, head_dim, q_norm, k_norm, rope, drop);
   at::Tensor h = x + drop(attn_proj(y));
   return h + drop(mlp_proj(mlp_activation(fc(ln2(h)), swiglu, gelu_approximate)));
 }

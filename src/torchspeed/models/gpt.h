@@ -198,6 +198,9 @@ class GPTBlockTPImpl : public torch::nn::Module {
   tensor_parallel::RowParallelLinear attn_proj{nullptr}, mlp_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
   int64_t local_heads, local_kv_heads, head_dim;
+  // Fewer KV heads than ranks: this many consecutive ranks (kv_group) share one KV head.
+  int64_t kv_replicas = 1;
+  comm::CommunicatorPtr kv_group;
   std::string gelu_approximate;
   bool swiglu;
   RopeTables rope;

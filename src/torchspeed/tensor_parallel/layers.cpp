@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
@@ -71,6 +72,28 @@ struct GatherFromRegion : public torch::autograd::Function<GatherFromRegion> {
     const auto tp = comm_of(ctx);
     auto& c = *tp;
     return {g[0].chunk(c.size(), -1)[static_cast<size_t>(c.rank())].contiguous(), at::Tensor()};
+  }
+};
+
+struct GatherSumFromRegion : public torch::autograd::Function<GatherSumFromRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const comm::CommunicatorPtr& group) {
+    save_comm(ctx, group);
+    const int n = group->size();
+    at::Tensor all = at::empty({n * x.numel()}, x.options());
+    group->all_gather(x.contiguous().view({-1}), all);
+    std::vector<int64_t> shape{n};
+    for (int64_t s : x.sizes()) shape.push_back(s);
+    return at::cat(all.view(shape).unbind(0), -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto group = comm_of(ctx);
+    const int n = group->size();
+    // [..., n * part] -> [n, ..., part]: rank r's part of every rank's gradient, summed.
+    at::Tensor parts = at::stack(g[0].chunk(n, -1), 0).contiguous();
+    std::vector<int64_t> shape(parts.sizes().begin() + 1, parts.sizes().end());
+    at::Tensor out = at::empty(shape, parts.options());
+    group->reduce_scatter(parts.view({-1}), out.view({-1}));
+    return {out, at::Tensor()};
   }
 };
 
@@ -145,6 +168,27 @@ at::Tensor reduce_from_region(const at::Tensor& x, const comm::CommunicatorPtr& 
 }
 at::Tensor gather_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp) {
   return tp->size() == 1 ? x : GatherFromRegion::apply(x, tp);
+}
+
+at::Tensor gather_sum_from_region(const at::Tensor& x, const comm::CommunicatorPtr& group) {
+  return group->size() == 1 ? x : GatherSumFromRegion::apply(x, group);
+}
+
+comm::CommunicatorPtr replica_group(const comm::CommunicatorPtr& tp, int replicas) {
+  TS_CHECK(replicas >= 1 && tp->size() % replicas == 0, "replica_group: ", replicas, " does not divide the group of ", tp->size());
+  struct Cached {
+    std::weak_ptr<comm::Communicator> tp;
+    comm::CommunicatorPtr group;
+  };
+  static std::mutex mu;
+  static std::map<std::pair<const comm::Communicator*, int>, Cached> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& c = cache[{tp.get(), replicas}];
+  if (c.tp.expired() || c.tp.lock() != tp) {
+    c.tp = tp;
+    c.group = tp->split(tp->rank() / replicas, tp->rank(), "tp-replicas");
+  }
+  return c.group;
 }
 
 void mark_split(const at::Tensor& param, Split split) {

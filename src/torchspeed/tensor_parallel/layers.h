@@ -22,6 +22,14 @@ namespace torchspeed::tensor_parallel {
 at::Tensor copy_to_region(const at::Tensor& x, const comm::CommunicatorPtr& tp);
 at::Tensor reduce_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp);
 at::Tensor gather_from_region(const at::Tensor& x, const comm::CommunicatorPtr& tp);
+// Gathering the last dimension forward, and in backward each rank's part of the sum of every
+// rank's gradient (reduce-scatter): for a tensor the ranks then use differently, as the ranks
+// that share a key/value head each attend with their own query heads.
+at::Tensor gather_sum_from_region(const at::Tensor& x, const comm::CommunicatorPtr& group);
+
+// The ranks of `tp` in consecutive runs of `replicas` (tp ranks r / replicas alike), created on
+// first use and kept with `tp` (collective on first use).
+comm::CommunicatorPtr replica_group(const comm::CommunicatorPtr& tp, int replicas);
 
 // Tensor-parallel ranks hold the same replicated activations, so their dropout masks must
 // agree: every rank of `tp` takes tp rank 0's CPU RNG state (collective). Reseed them alike
