@@ -275,6 +275,17 @@ def serve(args):
             check(answer == ref_answer, "%s: chat answer %r, transformers' %r" % (args.dir, answer, ref_answer))
             if args.expect:
                 check(args.expect in answer, "%s: the chat answer %r does not contain %r" % (args.dir, answer, args.expect))
+            if r["choices"][0]["finish_reason"] == "stop":
+                # vLLM's ignore_eos: the same answer, then on past the end of turn to max_tokens.
+                r2 = post(port, "/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 24, "temperature": 0,
+                                                         "ignore_eos": True})
+                c2 = r2["choices"][0]
+                print("families_parity: %s chat with ignore_eos: finish %s, %d tokens" % (
+                    args.dir, c2["finish_reason"], r2["usage"]["completion_tokens"]), flush=True)
+                check(c2["finish_reason"] == "length" and r2["usage"]["completion_tokens"] == 24 and
+                      c2["message"]["content"].startswith(answer),
+                      "%s: ignore_eos gave %r (finish %s, %d tokens)" % (args.dir, c2["message"]["content"],
+                                                                          c2["finish_reason"], r2["usage"]["completion_tokens"]))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -97,6 +97,9 @@ void common_sampling(const json& b, const ProtocolLimits& l, CompletionRequest& 
   p.top_p = get_num(b, "top_p", 1.0, 0.0, 1.0, /*open_lo=*/true);
   p.top_k = get_int(b, "top_k", 0, -1, 1 << 30);
   if (p.top_k < 0) p.top_k = 0;  // vLLM's -1: off
+  // vLLM's extension: generate past the model's end-of-text and end-of-turn tokens (benchmark
+  // clients send it to fix the output length); stop strings still end the text.
+  p.ignore_eos = get_bool(b, "ignore_eos", false);
   if (present(b, "seed")) {
     if (!b.at("seed").is_number_integer()) bad("seed", "expected an integer");
     p.seed = static_cast<uint64_t>(b.at("seed").get<int64_t>());
@@ -186,7 +189,7 @@ void check_choices(const CompletionRequest& r, const ProtocolLimits& l) {
 CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
   check_fields(b, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs",
                    "echo", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "best_of",
-                   "logit_bias", "suffix"});
+                   "logit_bias", "suffix", "ignore_eos"});
   check_model(b, l);
   if (present(b, "suffix")) bad("suffix", "not supported");
   CompletionRequest r;
@@ -261,7 +264,7 @@ std::string chat_prompt(const json& messages) {
 CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
   check_fields(b, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                    "stop", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user", "presence_penalty",
-                   "frequency_penalty", "logit_bias", "response_format"});
+                   "frequency_penalty", "logit_bias", "response_format", "ignore_eos"});
   check_model(b, l);
   if (present(b, "response_format")) {
     const json& rf = b.at("response_format");
