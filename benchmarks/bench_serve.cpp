@@ -8,7 +8,9 @@
 // p50/p99, requests/s, output tokens/s, and the decode roofline: bytes read per generated token
 // (weights + KV) over the memory bandwidth measured here. transformers' numbers come from
 // benchmarks/hf_reference.py in scripts/bench-env's environment, which also checks that its
-// logits equal ours. tp 2 runs beside tp 1: per-token latency and collectives per token.
+// logits equal ours. tp 2 runs beside tp 1: per-token latency and collectives per token. Then a
+// real model, SmolLM2-135M-Instruct from its GGUF, in each weight format beside transformers'
+// LlamaForCausalLM reading the same file (serve_smollm2; --spec '{"gpt": false}' runs it alone).
 #include <httplib.h>
 #include <signal.h>
 #include <spawn.h>
@@ -36,6 +38,7 @@
 
 #include "bench_report.h"
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/text.h"
 #include "torchspeed/inference/model.h"
 #include "torchspeed/models/gpt.h"
@@ -120,11 +123,14 @@ struct Sample {
 };
 
 // One streaming completion; times each SSE event that carries text.
-Sample stream_request(int port, const std::string& model, const std::string& prompt, int64_t max_tokens) {
+// prompt: text or token ids; ignore_eos (vLLM's): exactly max_tokens, whatever the model says.
+Sample stream_request(int port, const std::string& model, const nlohmann::json& prompt, int64_t max_tokens,
+                      bool ignore_eos = false) {
   httplib::Client cli("127.0.0.1", port);
   cli.set_read_timeout(600, 0);
   nlohmann::json body = {{"model", model}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0.0},
                          {"stream", true}, {"stream_options", {{"include_usage", true}}}};
+  if (ignore_eos) body["ignore_eos"] = true;
   Sample s;
   std::vector<Clock::time_point> at;
   std::string buf;
@@ -220,14 +226,16 @@ LoadResult closed_loop(int port, const std::string& model, const std::vector<Wor
 
 // `n` requests sent at the same instant, each with the same prompt and length: the workload of
 // transformers' batched generate() (16 prompts of 64 tokens, 128 new tokens each).
-LoadResult burst(int port, const std::string& model, const std::string& prompt, int64_t tokens, int n) {
+// prompts: one per request (or one for all); ignore_eos as in stream_request.
+LoadResult burst(int port, const std::string& model, const std::vector<nlohmann::json>& prompts, int64_t tokens, int n,
+                 bool ignore_eos = false) {
   LoadResult r;
   std::mutex mu;
   std::vector<std::thread> th;
   const auto t0 = Clock::now();
   for (int i = 0; i < n; ++i) {
-    th.emplace_back([&] {
-      Sample s = stream_request(port, model, prompt, tokens);
+    th.emplace_back([&, i] {
+      Sample s = stream_request(port, model, prompts[static_cast<size_t>(i) % prompts.size()], tokens, ignore_eos);
       record(r, mu, std::move(s));
     });
   }
@@ -370,18 +378,149 @@ std::string newest_trained_model() {
   return best;
 }
 
+// SmolLM2-135M-Instruct from its GGUF (scripts/smollm2: Q4_1, dequantized as both sides load
+// it) served in each weight format beside transformers' LlamaForCausalLM reading the same file in
+// fp32 and bf16: batch-1 decode and 16 prompts at once, the same 16 prompts of 64 token ids
+// (fortunes) and 128 new tokens each (ignore_eos here, min_new_tokens there).
+void serve_smollm2(const BenchArgs& args, const std::string& self, const std::string& py, const fs::path& dir,
+                   const std::vector<std::string>& formats, BenchReport& report) {
+  const std::string src = TORCHSPEED_SOURCE_DIR;
+  std::string gguf;
+  {
+    const std::string out = (dir / "smollm2.txt").string();
+    if (launcher::run_command({src + "/scripts/smollm2"}, out, (dir / "smollm2.err").string()) == 0) {
+      std::ifstream in(out);
+      std::getline(in, gguf);
+    }
+  }
+  if (gguf.empty()) {
+    std::printf("bench serve: scripts/smollm2 failed (see %s): no SmolLM2 rows\n", (dir / "smollm2.err").c_str());
+    return;
+  }
+  const int64_t prompt_len = 64, new_tokens = args.quick ? 16 : 128, batch = 16;
+  // The prompts: consecutive fortunes, encoded with the model's own tokenizer, cut to 64 ids.
+  std::vector<nlohmann::json> prompts;
+  {
+    const checkpoint::Model m = checkpoint::load_model(gguf);
+    const auto tok = data::tokenizer_of_model(gguf, m);
+    const auto f = fortunes();
+    for (int64_t i = 0; i < batch; ++i) {
+      std::vector<int64_t> ids;
+      for (size_t k = static_cast<size_t>(i) * 131; static_cast<int64_t>(ids.size()) < prompt_len; ++k) {
+        const auto more = tok->encode(f[k % f.size()]);
+        ids.insert(ids.end(), more.begin(), more.end());
+      }
+      ids.resize(static_cast<size_t>(prompt_len));
+      prompts.push_back(ids);
+    }
+  }
+  const std::string prompts_json = (dir / "smollm2_prompts.json").string();
+  std::ofstream(prompts_json) << nlohmann::json{{"prompts", prompts}}.dump();
+  std::printf("bench serve: SmolLM2-135M-Instruct (%s), %ld-token prompts + %ld new tokens; batch 1 and %ld at once\n",
+              gguf.c_str(), static_cast<long>(prompt_len), static_cast<long>(new_tokens), static_cast<long>(batch));
+  std::fflush(stdout);
+  std::map<std::string, nlohmann::json> hf;  // by dtype
+  if (!py.empty()) {
+    for (const std::string dtype : {"fp32", "bf16"}) {
+      const std::string out = (dir / ("hf-smollm2-" + dtype + ".json")).string(), log = (dir / ("hf-smollm2-" + dtype + ".log")).string();
+      if (launcher::run_command({py, src + "/benchmarks/hf_reference.py", "bench", "--gguf", gguf, "--prompts", prompts_json,
+                                 "--threads", std::to_string(at::get_num_threads()), "--new-tokens", std::to_string(new_tokens),
+                                 "--batch", std::to_string(batch), "--dtype", dtype, "--reps", args.quick ? "1" : "3", "--json", out},
+                                log, log) == 0) {
+        std::ifstream(out) >> hf[dtype];
+        hf[dtype]["case"] = "smollm2_transformers";
+        report.add_result(hf[dtype]);
+        std::printf("bench serve: SmolLM2 transformers %s: batch 1 %.1f tok/s, %ld batched %.1f tok/s\n", dtype.c_str(),
+                    hf[dtype]["batch1_decode_tok_s"].get<double>(), static_cast<long>(batch), hf[dtype]["batched_tok_s"].get<double>());
+      } else {
+        std::printf("bench serve: SmolLM2 transformers %s failed, see %s\n", dtype.c_str(), log.c_str());
+      }
+      std::fflush(stdout);
+    }
+  }
+  std::map<std::string, double> ours1, ours16;
+  for (const std::string& fmt : formats) {
+    const int port = free_port();
+    Child c = start_server({self, "serve", "--checkpoint", gguf, "--port", std::to_string(port), "--weights", fmt,
+                            "--served-model-name", "smollm2", "--max-num-seqs", "64", "--kv-cache-mb", "1024",
+                            "--max-batched-tokens", "512"},
+                           port, (dir / ("server-smollm2-" + fmt + ".log")).string());
+    stream_request(port, "smollm2", prompts[0], 8, true);  // warm-up
+    std::vector<double> tpot;
+    for (int i = 0; i < (args.quick ? 1 : 3); ++i) {
+      Sample s = stream_request(port, "smollm2", prompts[0], new_tokens, true);
+      TS_CHECK(s.ok && s.tokens == new_tokens, "bench serve: a SmolLM2 batch-1 request failed (", fmt, ")");
+      tpot.push_back(s.tpot);
+    }
+    ours1[fmt] = 1.0 / median(tpot);
+    burst(port, "smollm2", prompts, 8, static_cast<int>(batch), true);  // warm-up of the batched shapes
+    const LoadResult b = burst(port, "smollm2", prompts, new_tokens, static_cast<int>(batch), true);
+    TS_CHECK(b.failed == 0, "bench serve: ", b.failed, " SmolLM2 requests of 16 failed (", fmt, ")");
+    nlohmann::json row = b.summary("smollm2_burst_16");
+    ours16[fmt] = row["output_tokens_per_s"].get<double>();
+    stop_server(c);
+    row["weights"] = fmt;
+    row["batch1_decode_tok_s"] = ours1[fmt];
+    row["model"] = "SmolLM2-135M-Instruct";
+    report.add_result(row);
+    std::printf("bench serve: SmolLM2 torchspeed %s: batch 1 %.1f tok/s (TPOT %.2f ms), %ld at once %.1f tok/s (TTFT p50 %.0f ms)\n",
+                fmt.c_str(), ours1[fmt], median(tpot) * 1e3, static_cast<long>(batch), ours16[fmt], row["ttft_p50_ms"].get<double>());
+    std::fflush(stdout);
+  }
+  // The table: each of our formats against transformers in fp32 and in bf16.
+  std::printf("\nSmolLM2-135M-Instruct, %ld + %ld tokens: tokens/s (torchspeed / transformers)\n", static_cast<long>(prompt_len),
+              static_cast<long>(new_tokens));
+  std::printf("  %-24s %12s %12s %12s %12s %12s %12s\n", "", "batch 1", "/ hf fp32", "/ hf bf16", "16 at once", "/ hf fp32", "/ hf bf16");
+  auto ratio = [&](double v, const std::string& d, const char* key) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2fx", hf.count(d) ? v / hf[d][key].get<double>() : 0.0);
+    return hf.count(d) ? std::string(buf) : std::string("-");
+  };
+  for (const std::string d : {"fp32", "bf16"}) {
+    if (!hf.count(d)) continue;
+    std::printf("  %-24s %12.1f %12s %12s %12.1f %12s %12s\n", concat("transformers ", d).c_str(), hf[d]["batch1_decode_tok_s"].get<double>(),
+                "", "", hf[d]["batched_tok_s"].get<double>(), "", "");
+  }
+  for (const auto& fmt : formats) {
+    std::printf("  %-24s %12.1f %12s %12s %12.1f %12s %12s\n", concat("torchspeed ", fmt).c_str(), ours1[fmt],
+                ratio(ours1[fmt], "fp32", "batch1_decode_tok_s").c_str(), ratio(ours1[fmt], "bf16", "batch1_decode_tok_s").c_str(),
+                ours16[fmt], ratio(ours16[fmt], "fp32", "batched_tok_s").c_str(), ratio(ours16[fmt], "bf16", "batched_tok_s").c_str());
+    nlohmann::json r = {{"case", "smollm2_vs_transformers"}, {"weights", fmt}, {"batch1_tok_s", ours1[fmt]}, {"burst16_tok_s", ours16[fmt]}};
+    for (const std::string d : {"fp32", "bf16"}) {
+      if (!hf.count(d)) continue;
+      r[concat("batch1_over_transformers_", d)] = ours1[fmt] / hf[d]["batch1_decode_tok_s"].get<double>();
+      r[concat("burst16_over_transformers_", d)] = ours16[fmt] / hf[d]["batched_tok_s"].get<double>();
+    }
+    report.add_result(r);
+  }
+  // The GPT part's targets, on the real model: fp32 at batch 1 >= 1.5x transformers fp32; the
+  // compact formats >= 2.5x at batch 1 and >= 3x with 16 requests at once.
+  if (hf.count("fp32")) {
+    const double hf1 = hf["fp32"]["batch1_decode_tok_s"].get<double>(), hfb = hf["fp32"]["batched_tok_s"].get<double>();
+    for (const auto& fmt : formats) {
+      report.add_target(concat("SmolLM2 ", fmt, " batch-1 decode vs transformers fp32"), ours1[fmt] / hf1, fmt == "fp32" ? 1.5 : 2.5);
+      if (fmt != "fp32") report.add_target(concat("SmolLM2 ", fmt, " 16 at once vs transformers fp32 batched"), ours16[fmt] / hfb, 3.0);
+    }
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int run_serve(const BenchArgs& args, const std::string& self) {
   BenchReport report("serve");
   // --spec narrows a run to some parts (for tuning; targets need the full run):
   // {"formats": ["fp32"], "clients": [16], "peers": false, "tp2": false, "burst": false, "poisson": false,
-  //  "quality": false, "server_args": ["--max-batched-tokens", "256"]}
+  //  "quality": false, "server_args": ["--max-batched-tokens", "256"], "gpt": false, "smollm2": false}
+  // ("gpt": false skips the GPT-2-shaped model's part, "smollm2": false the real model's.)
   const nlohmann::json only = args.spec.empty() ? nlohmann::json::object() : nlohmann::json::parse(args.spec);
   TS_CHECK(only.is_object(), "bench serve --spec: a JSON object, got ", only.dump());
   for (const auto& [key, value] : only.items()) {
-    static const std::set<std::string> known{"formats", "clients", "peers", "tp2", "burst", "poisson", "quality", "server_args"};
-    TS_CHECK(known.count(key) > 0, "bench serve --spec: unknown key \"", key, "\" (known: formats, clients, peers, tp2, burst, poisson, quality, server_args)");
+    static const std::set<std::string> known{"formats", "clients", "peers", "tp2", "burst", "poisson", "quality", "server_args",
+                                             "gpt", "smollm2"};
+    TS_CHECK(known.count(key) > 0, "bench serve --spec: unknown key \"", key,
+             "\" (known: formats, clients, peers, tp2, burst, poisson, quality, server_args, gpt, smollm2)");
   }
   TS_CHECK(only.value("server_args", std::vector<std::string>{}).size() % 2 == 0,
            "bench serve --spec: server_args must be flag-value pairs, got ", only["server_args"].dump());
@@ -390,6 +529,20 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   const std::string src = TORCHSPEED_SOURCE_DIR;
   const fs::path dir = fs::absolute("bench-serve.tmp");
   fs::create_directories(dir);
+  const std::vector<std::string> formats = only.contains("formats") ? only["formats"].get<std::vector<std::string>>()
+                                           : args.quick ? std::vector<std::string>{"fp32"} : std::vector<std::string>{"fp32", "bf16", "int8"};
+  if (!only.value("gpt", true)) {  // the real model's part alone
+    std::string py;
+    const std::string out = (dir / "env.txt").string();
+    if (want_peers && launcher::run_command({src + "/scripts/bench-env"}, out, (dir / "env.err").string()) == 0) {
+      std::ifstream in(out);
+      std::getline(in, py);
+    }
+    serve_smollm2(args, self, py, dir, formats, report);
+    report.finish(args);
+    fs::remove_all(dir);
+    return 0;
+  }
   // The model: GPT-2 shape with a byte vocabulary (--quick: small), GPT-2 initialisation.
   models::GPTConfig g;
   g.vocab = 256;
@@ -486,8 +639,6 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   const std::string name = "bench";
   std::map<std::string, double> batch1_tok_s, burst16_tok_s;
   double c16_tok_s = 0;
-  const std::vector<std::string> formats = only.contains("formats") ? only["formats"].get<std::vector<std::string>>()
-                                           : args.quick ? std::vector<std::string>{"fp32"} : std::vector<std::string>{"fp32", "bf16", "int8"};
   for (const std::string& fmt : formats) {
     const int port = free_port();
     std::vector<std::string> argv{self, "serve", "--checkpoint", model_dir, "--port", std::to_string(port), "--weights", fmt,
@@ -530,7 +681,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
     report.add_target(concat("batch-1 decode, ", fmt, " weights: share of the bandwidth limit"), tok_s / limit, 0.70);
     // 16 concurrent requests shaped like transformers' batch (same prompt length and tokens).
     if (want_burst && (!args.quick || fmt == "fp32")) {
-      const LoadResult b = burst(port, name, p64, 128, 16);
+      const LoadResult b = burst(port, name, {p64}, 128, 16);
       nlohmann::json row = b.summary("burst_16x128");
       row["weights"] = fmt;
       report.add_result(row);
@@ -695,6 +846,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   } else {
     std::printf("bench serve: no trained model under runs/ (scripts/demo makes one): quality of bf16/int8 weights not measured\n");
   }
+  if (only.value("smollm2", true) && !args.quick) serve_smollm2(args, self, py, dir, formats, report);
   report.finish(args);
   fs::remove_all(dir);
   return 0;

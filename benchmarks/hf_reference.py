@@ -7,6 +7,7 @@ server benchmark. Runs in scripts/bench-env's .venv-bench (torch, transformers, 
   .venv-bench/bin/python benchmarks/hf_reference.py logits --model DIR --tokens-file F --out O
   .venv-bench/bin/python benchmarks/hf_reference.py check --model DIR --expected E [--tol 1e-5]
   .venv-bench/bin/python benchmarks/hf_reference.py bench --model DIR --threads 2 --json OUT
+  .venv-bench/bin/python benchmarks/hf_reference.py bench --gguf FILE --prompts P.json --json OUT
   .venv-bench/bin/python benchmarks/hf_reference.py make-random --out DIR --d-model 768 \
       --n-layer 12 --n-head 12 --seq-len 1024
 
@@ -370,9 +371,11 @@ def timed(fn, reps):
 
 
 def cmd_bench(args):
-    import transformers
-
     torch.set_num_threads(args.threads)
+    if bool(args.gguf) == bool(args.model):
+        raise ValueError("bench: give --model or --gguf (with --prompts)")
+    if args.gguf:
+        return bench_gguf(args)
     shape = read_shape(args.model)
     prompt_len, new_tokens = args.prompt_len, args.new_tokens
     if prompt_len < 1 or new_tokens < 2:
@@ -387,10 +390,37 @@ def cmd_bench(args):
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = load_gpt2(args.model, dtype=dtype, attn_implementation=args.attn)
-    params = sum(p.numel() for p in model.parameters())  # tied head counted once
     corpus = fortunes_corpus()
     one = prompts(corpus, 1, prompt_len, shape["vocab"])
     many = prompts(corpus, args.batch, prompt_len, shape["vocab"])
+    return bench_generate(args, model, one, many, new_tokens, "GPT2LMHeadModel")
+
+
+def bench_gguf(args):
+    """The speed of transformers' LlamaForCausalLM on a GGUF file (dequantized as transformers
+    loads it), with the token-id prompts of --prompts (the ones the server gets)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(args.gguf)),
+                                                 gguf_file=os.path.basename(args.gguf), dtype=dtype,
+                                                 attn_implementation=args.attn)
+    model.eval()
+    with open(args.prompts) as f:
+        rows = json.load(f)["prompts"]
+    if len(rows) < args.batch or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"--prompts needs at least {args.batch} prompts of one length")
+    ids = torch.tensor(rows[:args.batch], dtype=torch.long)
+    return bench_generate(args, model, ids[:1], ids, args.new_tokens, type(model).__name__)
+
+
+def bench_generate(args, model, one, many, new_tokens, arch):
+    """batch-1 prefill and decode rates and the batched rate of model.generate (greedy, the KV
+    cache on, exactly new_tokens per prompt)."""
+    import transformers
+
+    prompt_len = one.shape[1]
+    params = sum(p.numel() for p in model.parameters())  # tied head counted once
 
     def generate(ids, n):
         out = model.generate(
@@ -418,6 +448,7 @@ def cmd_bench(args):
 
     result = {
         "impl": "transformers",
+        "model_class": arch,
         "version": transformers.__version__,
         "torch": torch.__version__,
         "threads": args.threads,
@@ -480,7 +511,9 @@ def main(argv=None):
     p.add_argument("--tol", type=float, default=1e-4, help="fp32 tolerance (fp64: 1e-9)")
 
     p = sub.add_parser("bench", help="transformers generation speed")
-    model_arg(p)
+    p.add_argument("--model", help="model folder (config.json, model.safetensors)")
+    p.add_argument("--gguf", help="a GGUF file instead of --model (transformers dequantizes it)")
+    p.add_argument("--prompts", help='with --gguf: JSON {"prompts": [[ids...], ...]}, equal lengths')
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)

@@ -14,6 +14,7 @@
 
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/checkpoint/gguf.h"
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/inference/engine.h"
 #include "torchspeed/runtime/error.h"
@@ -26,7 +27,7 @@ namespace torchspeed::cli {
 namespace {
 
 struct ServeOpts {
-  std::string checkpoint, tokenizer, host = "127.0.0.1", api_key, model_name, weights = "fp32", kv_dtype = "auto", stop_file;
+  std::string checkpoint, tokenizer, host = "127.0.0.1", api_key, model_name, weights = "auto", kv_dtype = "auto", stop_file;
   bool bf16_dot = true;
   int port = 8000, ranks = 1, tp = 1, http_threads = 64;
   double kv_mb = 0;
@@ -51,6 +52,21 @@ void watch_signals(const std::string& stop_file) {
   }).detach();
 }
 
+// --weights auto: a GGUF file whose layers' matrices are all Q8_0 (llama.cpp's 8-bit format) is
+// served as our int8 (its values requantized with one scale per output channel, as --weights
+// int8 quantizes any model); anything else in fp32. 4-bit files are expanded to fp32.
+std::string auto_weights(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path) || !checkpoint::gguf::is_gguf(path)) return "fp32";
+  checkpoint::gguf::File f(path);
+  bool any = false;
+  for (const auto& t : f.header().tensors) {
+    if (t.shape.size() != 2 || t.name.rfind("blk.", 0) != 0) continue;
+    if (t.type != static_cast<uint32_t>(checkpoint::gguf::Type::kQ8_0)) return "fp32";
+    any = true;
+  }
+  return any ? "int8" : "fp32";
+}
+
 std::string default_name(const std::string& path) {
   std::filesystem::path p(path);
   if (p.filename().empty()) p = p.parent_path();
@@ -70,7 +86,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--port", o->port, "TCP port (0: any free port, printed)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", o->api_key, "Require \"Authorization: Bearer KEY\" on /v1/* (default: TORCHSPEED_API_KEY, else none)");
   cmd->add_option("--served-model-name", o->model_name, "The model id clients send (default: the checkpoint's folder name)");
-  cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16 or int8 (weight-only, per-channel scales)")->check(CLI::IsMember({"fp32", "bf16", "int8"}));
+  cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16 or int8 (weight-only, per-channel scales); auto: int8 for a GGUF file whose layers are Q8_0, else fp32")->check(CLI::IsMember({"auto", "fp32", "bf16", "int8"}));
   cmd->add_flag("!--no-bf16-dot", o->bf16_dot,
                 "With bf16 or int8 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16) or AMX tiles (each linear's input rounded to bf16, or with int8 weights on AMX to 16-bit fixed point)");
   cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank (0: 256 MB, or two sequences of the model's whole context where that is more)")->check(CLI::Range(0.0, 1e7));
@@ -94,6 +110,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
       if (const char* k = std::getenv("TORCHSPEED_API_KEY")) o->api_key = k;
     }
     if (o->model_name.empty()) o->model_name = default_name(o->checkpoint);
+    if (o->weights == "auto") o->weights = auto_weights(o->checkpoint);
     const inference::WeightFormat fmt = inference::parse_weight_format(o->weights);
     inference::EngineOptions eo = inference::EngineOptions()
                                       .max_num_seqs(o->max_num_seqs)
