@@ -445,6 +445,10 @@ void serve_smollm2(const BenchArgs& args, const std::string& self, const std::st
                             "--served-model-name", "smollm2", "--max-num-seqs", "64", "--kv-cache-mb", "1024",
                             "--max-batched-tokens", "512"},
                            port, (dir / ("server-smollm2-" + fmt + ".log")).string());
+    struct Stop {  // the server goes down with a failed check too
+      Child& c;
+      ~Stop() { stop_server(c); }
+    } stop{c};
     stream_request(port, "smollm2", prompts[0], 8, true);  // warm-up
     std::vector<double> tpot;
     for (int i = 0; i < (args.quick ? 1 : 3); ++i) {

@@ -207,6 +207,11 @@ TEST(Compression, LlamaConfigsNameTheSeparateProjections) {
   ASSERT_TRUE(block1);
   EXPECT_EQ(block1->qkv_q.weight_bits, 8);
   EXPECT_EQ(block1->fc_q.weight_bits, 4);
+  // A pattern naming the fused layer by our name and a part of it names the whole layer.
+  auto both = parse(weight_quant({}, {{"wq", {{"params", {{"start_bits", 8}, {"target_bits", 8}}}, {"modules", {"qkv|q_proj"}}}}}));
+  auto stack3 = ts::models::make_gpt(c);
+  EXPECT_EQ(ts::compression::Schedule(both.compression, stack3, nullptr, 1).bound("wq"),
+            (std::vector<std::string>{"block0.qkv", "block1.qkv"}));
   auto part = parse(weight_quant({}, {{"wq", {{"params", {{"start_bits", 8}, {"target_bits", 8}}}, {"modules", {"q_proj", "v_proj"}}}}}));
   auto stack2 = ts::models::make_gpt(c);
   ts_test::expect_error([&] { ts::compression::Schedule(part.compression, stack2, nullptr, 1); },

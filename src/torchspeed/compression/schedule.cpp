@@ -124,11 +124,15 @@ void Schedule::bind(const std::vector<config::QuantizeGroupConfig>& groups, bool
         std::vector<bool> named(s.parts.size(), false);
         for (size_t k = 0; k < groups[g].modules.size(); ++k) {
           const std::regex re(groups[g].modules[k]);
+          // A pattern that also names the fused layer by our or GPT-2's name ("qkv|q_proj") names
+          // all of it (not by its vLLM name: "v_proj" is found in "qkv_proj").
+          const bool whole = std::regex_search(layer + "." + s.name, re) ||
+                             (!s.aliases.empty() && std::regex_search(s.aliases.front(), re));
           bool any = false;
           for (size_t q = 0; q < s.parts.size(); ++q) {
-            if (std::regex_search(s.parts[q], re)) named[q] = any = true;
+            if (whole || std::regex_search(s.parts[q], re)) named[q] = any = true;
           }
-          if (any) ++counts[first + k];
+          if (any && names_part(re, s)) ++counts[first + k];  // direct matches were counted above
         }
         const auto n_named = std::count(named.begin(), named.end(), true);
         const std::string name = layer + "." + s.name;

@@ -471,9 +471,10 @@ GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPt
   if (dense->n_kv_head % tps == 0) {
     local_kv_heads = dense->n_kv_head / tps;
   } else {
-    TS_CHECK(tps % dense->n_kv_head == 0 && dense->head_dim % (tps / dense->n_kv_head) == 0, "model.n_kv_head ",
-             dense->n_kv_head, " and tensor_parallel.tp_size ", tps, ": the ranks take whole key/value heads (tp_size dividing "
-             "n_kv_head) or share them (n_kv_head dividing tp_size, head_dim ", dense->head_dim, " dividing by the ranks sharing one)");
+    // head_dim % tp: each rank's rows are 1/tp of every section, as checkpoints merge them.
+    TS_CHECK(tps % dense->n_kv_head == 0 && dense->head_dim % tps == 0, "model.n_kv_head ", dense->n_kv_head,
+             " and tensor_parallel.tp_size ", tps, ": the ranks take whole key/value heads (tp_size dividing n_kv_head) or share "
+             "them (n_kv_head dividing tp_size, and head_dim ", dense->head_dim, " dividing by tp_size)");
     local_kv_heads = 1;
     kv_replicas = tps / dense->n_kv_head;
     kv_group = tensor_parallel::replica_group(tp, static_cast<int>(kv_replicas));

@@ -52,8 +52,8 @@ A dot(const T* a, const U* b, int64_t n) {
 constexpr int64_t kRowChunk = 64;
 
 struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w, double eps) {
-    const at::Tensor x = x_in.contiguous();
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+    const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
     const int64_t D = x.size(-1), N = x.numel() / std::max<int64_t>(D, 1);
     at::Tensor y = at::empty_like(x);
     at::Tensor rstd = at::empty({N}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));

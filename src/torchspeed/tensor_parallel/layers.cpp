@@ -183,6 +183,7 @@ comm::CommunicatorPtr replica_group(const comm::CommunicatorPtr& tp, int replica
   static std::mutex mu;
   static std::map<std::pair<const comm::Communicator*, int>, Cached> cache;
   std::lock_guard<std::mutex> lock(mu);
+  for (auto it = cache.begin(); it != cache.end();) it = it->second.tp.expired() ? cache.erase(it) : std::next(it);
   auto& c = cache[{tp.get(), replicas}];
   if (c.tp.expired() || c.tp.lock() != tp) {
     c.tp = tp;
