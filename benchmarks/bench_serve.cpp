@@ -319,6 +319,12 @@ void stop_server(Child& c) {
   c.pid = -1;
 }
 
+// Stops the server when it goes out of scope: a failed check does not leave it running.
+struct ServerGuard {
+  Child& c;
+  ~ServerGuard() { stop_server(c); }
+};
+
 std::map<std::string, double> metrics(int port) {
   httplib::Client cli("127.0.0.1", port);
   std::map<std::string, double> m;
@@ -445,10 +451,7 @@ void serve_smollm2(const BenchArgs& args, const std::string& self, const std::st
                             "--served-model-name", "smollm2", "--max-num-seqs", "64", "--kv-cache-mb", "1024",
                             "--max-batched-tokens", "512"},
                            port, (dir / ("server-smollm2-" + fmt + ".log")).string());
-    struct Stop {  // the server goes down with a failed check too
-      Child& c;
-      ~Stop() { stop_server(c); }
-    } stop{c};
+    ServerGuard guard{c};
     stream_request(port, "smollm2", prompts[0], 8, true);  // warm-up
     std::vector<double> tpot;
     for (int i = 0; i < (args.quick ? 1 : 3); ++i) {
@@ -655,6 +658,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
       else argv.insert(argv.end(), {extra[i], extra[i + 1]});
     }
     Child c = start_server(argv, port, (dir / ("server-" + fmt + ".log")).string());
+    ServerGuard guard{c};
     // Batch 1: a 64-byte prompt, 128 tokens, the decode rate against the roofline.
     const std::string p64 = corpus[7].substr(0, 64);
     stream_request(port, name, p64, 8);  // warm-up
@@ -783,6 +787,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
     Child c = start_server({self, "serve", "-n", "2", "--tp", "2", "--checkpoint", model_dir, "--port", std::to_string(port),
                             "--served-model-name", name},
                            port, (dir / "server-tp2.log").string());
+    ServerGuard guard{c};
     const std::string p64 = corpus[7].substr(0, 64);
     stream_request(port, name, p64, 8);
     auto before = metrics(port);
