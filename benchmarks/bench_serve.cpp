@@ -369,14 +369,25 @@ double val_loss(const checkpoint::Model& m, inference::WeightFormat f, int windo
   return total / static_cast<double>(count);
 }
 
+// The newest model under runs/ trained on bytes (the demo's GPT): val_loss reads the corpus as
+// bytes, and the demo's fine-tuned SmolLM2 (its own tokenizer, 8192-token context) is not
+// what it measures.
 std::string newest_trained_model() {
   std::string best;
   fs::file_time_type when{};
   const fs::path runs = fs::path(TORCHSPEED_SOURCE_DIR) / "runs";
   if (!fs::exists(runs)) return best;
+  auto on_bytes = [](const fs::path& config) {
+    std::ifstream in(config);
+    const auto j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) return false;
+    const auto data = j.value("data", nlohmann::json::object());
+    const bool bytes = !data.is_object() || !data.contains("tokenizer") || data["tokenizer"] == "bytes";
+    return bytes && j.value("model", nlohmann::json::object()).value("vocab", 0) == 256;
+  };
   for (const auto& e : fs::directory_iterator(runs)) {
     const fs::path m = e.path() / "model" / "model.safetensors";
-    if (fs::exists(m) && (best.empty() || fs::last_write_time(m) > when)) {
+    if (fs::exists(m) && on_bytes(e.path() / "model" / "config.json") && (best.empty() || fs::last_write_time(m) > when)) {
       best = (e.path() / "model").string();
       when = fs::last_write_time(m);
     }
