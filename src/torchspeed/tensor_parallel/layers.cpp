@@ -36,6 +36,16 @@ at::Tensor all_reduced(const at::Tensor& x, comm::Communicator& c) {
   return y;
 }
 
+// Every rank's x, concatenated on the last dimension in rank order.
+at::Tensor gather_last_dim(const at::Tensor& x, comm::Communicator& c) {
+  const int n = c.size();
+  at::Tensor all = at::empty({n * x.numel()}, x.options());
+  c.all_gather(x.contiguous().view({-1}), all);
+  std::vector<int64_t> shape{n};
+  for (int64_t s : x.sizes()) shape.push_back(s);
+  return at::cat(all.view(shape).unbind(0), -1);  // [n, ...x] -> concatenated on the last dimension
+}
+
 struct CopyToRegion : public torch::autograd::Function<CopyToRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const comm::CommunicatorPtr& tp) {
@@ -59,14 +69,7 @@ struct GatherFromRegion : public torch::autograd::Function<GatherFromRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const comm::CommunicatorPtr& tp) {
     save_comm(ctx, tp);
-    auto& c = *tp;
-    const int n = c.size();
-    at::Tensor all = at::empty({n * x.numel()}, x.options());
-    c.all_gather(x.contiguous().view({-1}), all);
-    // [n, ...x] -> concatenated on the last dimension
-    std::vector<int64_t> shape{n};
-    for (int64_t s : x.sizes()) shape.push_back(s);
-    return at::cat(all.view(shape).unbind(0), -1);
+    return gather_last_dim(x, *tp);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto tp = comm_of(ctx);
@@ -78,12 +81,7 @@ struct GatherFromRegion : public torch::autograd::Function<GatherFromRegion> {
 struct GatherSumFromRegion : public torch::autograd::Function<GatherSumFromRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const comm::CommunicatorPtr& group) {
     save_comm(ctx, group);
-    const int n = group->size();
-    at::Tensor all = at::empty({n * x.numel()}, x.options());
-    group->all_gather(x.contiguous().view({-1}), all);
-    std::vector<int64_t> shape{n};
-    for (int64_t s : x.sizes()) shape.push_back(s);
-    return at::cat(all.view(shape).unbind(0), -1);
+    return gather_last_dim(x, *group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto group = comm_of(ctx);
