@@ -747,7 +747,9 @@ def _retry_after_ok(v):
 
 def _burst(count, max_tokens, n=1):
     """Sends count streaming requests at once; returns a list of (status, headers, body/None)."""
-    body = completions_body(prompt="Hi", max_tokens=max_tokens, temperature=1.0, stream=True, n=n)
+    # ignore_eos: every choice runs its whole max_tokens, so the first requests still hold the
+    # queue when the last arrive.
+    body = completions_body(prompt="Hi", max_tokens=max_tokens, temperature=1.0, stream=True, n=n, ignore_eos=True)
     data = _encode(body)
     hdrs = _headers(data, None, True)
     streams = [RawStream(CTX.port, "POST", "/v1/completions", data, hdrs) for _ in range(count)]

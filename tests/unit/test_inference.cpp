@@ -7,7 +7,9 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <limits>
+#include <thread>
 #include <map>
 
 #include "test_util.h"
@@ -660,4 +662,110 @@ TEST(Engine, StopStringsQueueLimitAndCancel) {
   EXPECT_EQ(e.stats().blocks_used, 0);
   EXPECT_EQ(e.stats().running, 0);
   ts_test::expect_error([&] { e.submit(prompt_of(5, 60), p, nullptr); }, "exceed the model's context of 64");
+}
+
+// Prompt logprobs (echo with logprobs) once per prompt token, with the values of an unpreempted
+// run, when a sequence is preempted in the middle of its prompt and recomputed (they were
+// appended twice before).
+TEST(Engine, PromptLogprobsOnceEachUnderPreemption) {
+  Fixture f;
+  auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
+  auto run = [&](const EngineOptions& o, uint64_t* preemptions) {
+    Engine e(model, o);
+    std::vector<std::vector<GeneratedToken>> lps(12);
+    for (int i = 0; i < 12; ++i) {
+      SamplingParams p;
+      p.temperature = 0;
+      p.max_tokens = 10;
+      p.logprobs = 1;
+      p.prompt_logprobs = true;
+      auto* out = &lps[static_cast<size_t>(i)];
+      e.submit(prompt_of(i, 40), p, [out](const RequestEvent& ev) { out->insert(out->end(), ev.prompt.begin(), ev.prompt.end()); });
+    }
+    e.run_until_idle();
+    *preemptions = e.stats().preemptions;
+    return lps;
+  };
+  uint64_t none = 0, some = 0;
+  const auto ref = run(opts(256, 1), &none);
+  const double tiny = 12.0 * KVCache::bytes_per_block(f.cfg.n_layer, f.cfg.n_head, f.cfg.d_model / f.cfg.n_head,
+                                                      KVCacheOptions().block_size(8)) / (1024.0 * 1024.0);
+  const auto got = run(opts(9, 12, tiny), &some);
+  EXPECT_EQ(none, 0u);
+  EXPECT_GT(some, 0u);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_EQ(ref[i].size(), 39u);
+    ASSERT_EQ(got[i].size(), 39u) << "request " << i;
+    for (size_t k = 0; k < ref[i].size(); ++k) {
+      EXPECT_EQ(got[i][k].id, ref[i][k].id);
+      EXPECT_NEAR(got[i][k].logprobs.logprob, ref[i][k].logprobs.logprob, 1e-4);
+    }
+  }
+}
+
+// NaN logits (a broken model) rank last instead of breaking std::sort's strict weak order.
+TEST(Sampler, NaNLogitsRankLast) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> logits(4096, nan);
+  logits[17] = 1.0f;
+  logits[4000] = 0.5f;
+  SamplingParams p;
+  p.seed = 1;
+  p.top_k = 2;
+  p.logprobs = 3;
+  Sampler s(p);
+  for (int i = 0; i < 20; ++i) {
+    TokenLogprobs lp;
+    const int64_t t = s.sample(logits.data(), 4096, &lp);
+    EXPECT_TRUE(t == 17 || t == 4000);
+    ASSERT_EQ(lp.top.size(), 3u);
+    EXPECT_EQ(lp.top[0].first, 17);
+    EXPECT_EQ(lp.top[1].first, 4000);
+  }
+}
+
+// stop(drain, deadline) aborts what is still running at the deadline; a receiver (sink) that
+// throws ends its own request only (it ended the process before).
+TEST(Engine, DrainDeadlineAndThrowingReceivers) {
+  Fixture f;
+  auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
+  {
+    Engine e(model, opts(64, 4));
+    std::atomic<int> aborted{0};
+    SamplingParams p;
+    p.max_tokens = 50;
+    p.ignore_eos = true;
+    for (int i = 0; i < 4; ++i) {
+      e.submit(prompt_of(i, 8), p, [&](const RequestEvent& ev) {
+        if (ev.finished && ev.finish_reason == "abort") ++aborted;
+        if (!ev.finished) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      });
+    }
+    e.start();
+    const auto t0 = std::chrono::steady_clock::now();
+    e.stop(/*drain=*/true, /*drain_timeout_s=*/0.05);
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
+    EXPECT_EQ(aborted.load(), 4);
+    EXPECT_FALSE(e.accepting());
+    EXPECT_FALSE(e.failed());
+  }
+  {
+    // A receiver that throws loses its own request; the others and the engine go on.
+    Engine e(model, opts(64, 4));
+    std::string r2;
+    int calls = 0;
+    SamplingParams p;
+    p.max_tokens = 5;
+    e.submit(prompt_of(1, 8), p, [&](const RequestEvent&) {
+      ++calls;
+      throw std::runtime_error("boom in a sink");
+    });
+    e.submit(prompt_of(2, 8), p, [&](const RequestEvent& ev) { if (ev.finished) r2 = ev.finish_reason; });
+    e.run_until_idle();
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(r2, "length");
+    EXPECT_FALSE(e.failed());
+    EXPECT_EQ(e.stats().blocks_used, 0);
+    EXPECT_EQ(e.stats().requests_finished, 2u);
+  }
 }

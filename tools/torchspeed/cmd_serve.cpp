@@ -1,7 +1,8 @@
 // `torchspeed serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [-n N --tp N] ...`: an
 // OpenAI-compatible server for a trained GPT. With --tp N the weights are split over N ranks
 // (launched here under mpirun): rank 0 runs HTTP and the scheduler, every rank runs the
-// forward. SIGTERM or Ctrl-C drains: running requests finish, new ones get 503, exit 0.
+// forward. SIGTERM or Ctrl-C drains: running requests finish (for --drain-timeout seconds, then
+// they are aborted), new ones get 503, exit 0; a second signal exits at once.
 #include <signal.h>
 #include <unistd.h>
 
@@ -29,13 +30,16 @@ namespace {
 struct ServeOpts {
   std::string checkpoint, tokenizer, host = "127.0.0.1", api_key, model_name, weights = "auto", kv_dtype = "auto", stop_file;
   bool bf16_dot = true;
-  int port = 8000, ranks = 1, tp = 1, http_threads = 64;
+  int port = 8000, ranks = 1, tp = 1, http_threads = 4, max_connections = 1024;
+  double drain_timeout = 30;
+  int64_t max_request_tokens = 0;
   double kv_mb = 0;
   int64_t block_size = 16, max_num_seqs = 16, max_batched_tokens = 256, max_queue = 64, max_tokens = 0, max_n = 16;
   int64_t max_body = 1 << 20;
 };
 
-// SIGTERM / SIGINT, or the stop file the launching CLI writes when it gets one.
+// SIGTERM / SIGINT, or the stop file the launching CLI writes when it gets one: the first
+// drains, a second signal ends the process at once (exit status 130, as a shell reports Ctrl-C).
 std::atomic<bool> g_stop{false};
 void watch_signals(const std::string& stop_file) {
   sigset_t set;
@@ -44,10 +48,16 @@ void watch_signals(const std::string& stop_file) {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::thread([set, stop_file] {
-    while (!g_stop) {
+    while (true) {
       timespec ts{0, 200 * 1000 * 1000};
-      if (sigtimedwait(&set, nullptr, &ts) > 0) g_stop = true;
-      if (!stop_file.empty() && std::filesystem::exists(stop_file)) g_stop = true;
+      if (sigtimedwait(&set, nullptr, &ts) > 0) {
+        if (g_stop.exchange(true)) {
+          static const char msg[] = "torchspeed serve: second stop signal: exiting now\n";
+          [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof(msg) - 1);
+          std::_Exit(130);
+        }
+      }
+      if (!g_stop && !stop_file.empty() && std::filesystem::exists(stop_file)) g_stop = true;
     }
   }).detach();
 }
@@ -95,11 +105,14 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--block-size", o->block_size, "Tokens per KV block")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "Sequences batched in one forward pass")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-batched-tokens", o->max_batched_tokens, "Token budget of one forward pass (decodes + prompt chunks)")->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--max-queue", o->max_queue, "Waiting sequences before requests get 429")->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--max-queue", o->max_queue, "Waiting sequences before requests get 429 (at least 1)")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--max-tokens", o->max_tokens, "Largest max_tokens a request may ask (0: the context)")->check(CLI::Range(0, 1 << 30));
   cmd->add_option("--max-n", o->max_n, "Most choices (prompts x n) in one request")->check(CLI::Range(1, 1024));
   cmd->add_option("--max-body-bytes", o->max_body, "Largest request body (413 beyond)")->check(CLI::Range(1024, 1 << 30));
-  cmd->add_option("--http-threads", o->http_threads, "Connections served at once")->check(CLI::Range(2, 4096));
+  cmd->add_option("--http-threads", o->http_threads, "Threads that parse and tokenize requests (connections and generations hold none)")->check(CLI::Range(1, 256));
+  cmd->add_option("--max-connections", o->max_connections, "Client connections open at once (503 past it)")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--max-request-tokens", o->max_request_tokens, "Largest prompts x n x (prompt + max_tokens) of one request (0: the KV cache's tokens)")->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  cmd->add_option("--drain-timeout", o->drain_timeout, "Seconds a stop signal lets running requests finish before aborting them (a second signal exits at once)")->check(CLI::Range(0.0, 1e6));
   cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun (equal to --tp)")->check(CLI::Range(1, 1024));
   cmd->add_option("--tp", o->tp, "Tensor-parallel ranks the weights are split over")->check(CLI::Range(1, 1024));
   cmd->add_option("--stop-file", o->stop_file, "Drain and exit when this file appears")->group("");
@@ -131,6 +144,8 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                     "--max-batched-tokens", std::to_string(o->max_batched_tokens), "--max-queue", std::to_string(o->max_queue),
                     "--max-tokens", std::to_string(o->max_tokens), "--max-n", std::to_string(o->max_n),
                     "--max-body-bytes", std::to_string(o->max_body), "--http-threads", std::to_string(o->http_threads),
+                    "--max-connections", std::to_string(o->max_connections), "--max-request-tokens", std::to_string(o->max_request_tokens),
+                    "--drain-timeout", std::to_string(o->drain_timeout),
                     "--tp", std::to_string(o->tp), "--stop-file", stop};
       if (!o->tokenizer.empty()) lo.program.insert(lo.program.end(), {"--tokenizer", o->tokenizer});
       if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
@@ -160,7 +175,9 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                              .max_body_bytes(o->max_body)
                              .max_tokens(o->max_tokens)
                              .max_n(o->max_n)
-                             .http_threads(o->http_threads));
+                             .http_threads(o->http_threads)
+                             .max_connections(o->max_connections)
+                             .max_request_tokens(o->max_request_tokens));
     server.start();
     std::printf("torchspeed serve: listening on http://%s:%d (loading %s)\n", o->host.c_str(), server.port(), o->checkpoint.c_str());
     std::fflush(stdout);
@@ -186,7 +203,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
       std::printf("torchspeed serve: stopping: finishing %lld running and %lld waiting requests\n",
                   static_cast<long long>(engine.stats().running), static_cast<long long>(engine.stats().waiting));
       std::fflush(stdout);
-      server.shutdown();
+      server.shutdown(o->drain_timeout);
     });
     engine.run();
     g_stop = true;  // the loop also ends on a fatal error: stop serving then too

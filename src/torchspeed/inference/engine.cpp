@@ -40,6 +40,7 @@ struct Engine::Sequence {
   Sink sink;
   Clock::time_point submitted, last_token;
   bool prompt_lp_pending = false;
+  int64_t prompt_lp_count = 0;  // prompt logprobs produced (a preempted prompt recomputes: not twice)
   std::vector<GeneratedToken> new_tokens, prompt_lps;
   bool stopped = false;
   Sequence(const SamplingParams& p) : params(p), sampler(p), text(p.stop) {}
@@ -251,7 +252,20 @@ void Engine::finish(Sequence& s, const std::string& reason) {
   ev.prompt_tokens = s.prompt_len;
   ev.completion_tokens = s.generated;
   ++ls_.requests_finished;
-  if (s.sink) s.sink(ev);
+  deliver(s, ev);
+}
+
+void Engine::deliver(Sequence& s, const RequestEvent& ev) {
+  if (!s.sink) return;
+  try {
+    s.sink(ev);
+  } catch (const std::exception& e) {
+    // A receiver that throws (a client's answer that cannot be built) loses its request, not
+    // the engine: no more events, and the sequence ends on the next step.
+    log::error("inference engine: the receiver of request ", s.id, " failed: ", e.what(), "; cancelling it");
+    s.sink = nullptr;
+    if (!ev.finished) cancel(s.id);
+  }
 }
 
 void Engine::send_plan(const StepPlan* plan) {
@@ -306,6 +320,8 @@ bool Engine::step() {
         for (int64_t k = 0; k < nt; ++k) {
           const int64_t target = c.start + k + 1;
           if (target >= s.prompt_len) break;
+          if (target <= s.prompt_lp_count) continue;  // recomputed after a preemption
+          ++s.prompt_lp_count;
           GeneratedToken g;
           g.id = s.tokens[static_cast<size_t>(target)];
           g.logprobs = Sampler::logprobs_of(L + (row + k) * vocab, vocab, g.id, std::max<int64_t>(s.params.logprobs, 0));
@@ -346,7 +362,7 @@ bool Engine::step() {
           s.prompt_lps.clear();
           ev.prompt_tokens = s.prompt_len;
           ev.completion_tokens = s.generated;
-          s.sink(ev);
+          deliver(s, ev);
         }
       }
       row += rows;
@@ -422,6 +438,8 @@ void Engine::loop() {
         std::lock_guard<std::mutex> g(mu_);
         stopping_ = true;
         drain_ = false;
+        failure_ = e.what();
+        failed_ = true;
       }
       admit_inbox();
       publish_stats();
@@ -440,7 +458,11 @@ void Engine::loop() {
   admit_inbox();  // aborts whatever is left
   publish_stats();
   followers_stopped_ = true;
-  send_plan(nullptr);
+  try {
+    send_plan(nullptr);
+  } catch (const std::exception& e) {
+    log::error("inference engine: telling the tensor-parallel ranks to stop failed: ", e.what());
+  }
 }
 
 void Engine::start() {
@@ -461,21 +483,45 @@ void Engine::run() {
   loop();
 }
 
-void Engine::stop(bool drain) {
+void Engine::stop(bool drain, double drain_timeout_s) {
   {
     std::unique_lock<std::mutex> lk(mu_);
     stopping_ = true;
     drain_ = drain;
     cv_.notify_all();
-    // A loop running on another caller's thread (run()): wait until it has finished.
+    // Wait for the loop (on our thread_ or a run() caller's) to finish what it has, until the
+    // deadline; then what is left is aborted (its sinks get "abort").
+    const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(drain_timeout_s, 1e7)));
+    if (drain && !done_cv_.wait_until(lk, until, [&] { return !loop_running_; })) {
+      log::warn("inference engine: ", stats_.running + stats_.waiting, " requests still unfinished after the ", drain_timeout_s, " s drain deadline: aborting them");
+      drain_ = false;
+      cv_.notify_all();
+    }
     if (!thread_.joinable()) done_cv_.wait(lk, [&] { return !loop_running_; });
   }
   if (thread_.joinable()) {
     thread_.join();  // the loop told the followers
   } else if (tp_ && !followers_stopped_) {
-    send_plan(nullptr);
+    followers_stopped_ = true;
+    try {
+      send_plan(nullptr);
+    } catch (const std::exception& e) {
+      log::error("inference engine: telling the tensor-parallel ranks to stop failed: ", e.what());
+    }
   }
   followers_stopped_ = true;
+}
+
+bool Engine::accepting() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return !stopping_;
+}
+
+bool Engine::failed() const { return failed_.load(); }
+
+std::string Engine::failure() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return failure_;
 }
 
 EngineStats Engine::stats() const {

@@ -99,13 +99,20 @@ class Engine {
   void cancel(uint64_t id);
 
   // The loop on a thread of its own; stop() lets running and waiting requests finish first
-  // when `drain`, otherwise aborts them; then joins (and tells TP followers to exit).
+  // when `drain` (for at most drain_timeout_s, then aborts the rest), otherwise aborts them;
+  // then joins (and tells TP followers to exit).
   void start();
   // The loop on the caller's thread until stop() is called from another one. Preferred for a
   // server: the thread that loaded the model owns LibTorch's OpenMP team, and a second team on
   // another thread costs 12-25% of decode speed on 2 cores (measured).
   void run();
-  void stop(bool drain);
+  void stop(bool drain, double drain_timeout_s = 1e30);
+  // False once stopping (submit refuses everything then).
+  bool accepting() const;
+  // A forward pass threw (a TP peer gone, out of memory): every request was aborted and the
+  // loop ended; failure() is the error.
+  bool failed() const;
+  std::string failure() const;
   // One iteration on the caller's thread (tests, no thread started): false when idle.
   bool step();
   // Runs steps until every submitted request finished (tests).
@@ -127,6 +134,7 @@ class Engine {
   void admit_inbox();
   bool schedule(StepPlan& plan, std::vector<Sequence*>& order);
   void finish(Sequence& s, const std::string& reason);
+  void deliver(Sequence& s, const RequestEvent& ev);
   void preempt_last();
   bool ensure_blocks(Sequence& s, int64_t positions);
   void send_plan(const StepPlan* plan);
@@ -148,6 +156,8 @@ class Engine {
   uint64_t next_id_ = 1;
   bool stopping_ = false, drain_ = true, followers_stopped_ = false;
   bool loop_running_ = false;
+  std::atomic<bool> failed_{false};
+  std::string failure_;
   std::atomic<int64_t> queued_{0};  // inbox + waiting
   EngineStats stats_;  // what stats() returns, copied from ls_ after each step
   EngineStats ls_;     // owned by the loop

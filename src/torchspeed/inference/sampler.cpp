@@ -6,6 +6,19 @@
 
 namespace torchspeed::inference {
 
+namespace {
+// Logits ordered most likely first, ties by id. A NaN logit (a broken model) ranks last: a
+// comparator that is not a strict weak order makes std::sort undefined behaviour.
+struct MoreLikely {
+  const float* logits;
+  float key(int64_t i) const { return std::isnan(logits[i]) ? -INFINITY : logits[i]; }
+  bool operator()(int64_t a, int64_t b) const {
+    const float x = key(a), y = key(b);
+    return x > y || (x == y && a < b);
+  }
+};
+}  // namespace
+
 Sampler::Sampler(const SamplingParams& params) : p_(params) {
   if (p_.seed) {
     rng_.seed(*p_.seed);
@@ -29,8 +42,7 @@ TokenLogprobs Sampler::logprobs_of(const float* logits, int64_t vocab, int64_t t
     std::vector<int64_t> idx(static_cast<size_t>(vocab));
     std::iota(idx.begin(), idx.end(), 0);
     const int64_t k = std::min(n, vocab);
-    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
-                      [&](int64_t a, int64_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), MoreLikely{logits});
     for (int64_t i = 0; i < k; ++i) out.top.emplace_back(idx[static_cast<size_t>(i)], logits[idx[static_cast<size_t>(i)]] - lse);
   }
   return out;
@@ -47,8 +59,7 @@ int64_t Sampler::sample(const float* logits, int64_t vocab, TokenLogprobs* lp) {
     // temperature-scaled distribution, then one draw over what is left.
     std::vector<int64_t> idx(static_cast<size_t>(vocab));
     std::iota(idx.begin(), idx.end(), 0);
-    std::sort(idx.begin(), idx.end(),
-              [&](int64_t a, int64_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+    std::sort(idx.begin(), idx.end(), MoreLikely{logits});
     size_t keep = idx.size();
     if (p_.top_k > 0) keep = std::min(keep, static_cast<size_t>(p_.top_k));
     const double inv_t = 1.0 / p_.temperature, top = logits[idx[0]];

@@ -16,14 +16,29 @@ json ApiError::to_json() const {
             {"code", code.empty() ? json(nullptr) : json(code)}}}};
 }
 
+namespace {
+// A JSON library error's text, bounded: parse errors quote the token they stopped at, which is
+// the client's bytes and may be a megabyte long.
+std::string bounded(const std::string& s, size_t n = 200) { return s.size() <= n ? s : s.substr(0, n) + "..."; }
+}  // namespace
+
 json parse_body(const std::string& body) {
   if (body.empty()) throw ApiError(400, "the request body is empty; expected a JSON object");
   try {
-    json j = json::parse(body);
+    // nlohmann's parser is iterative, but dump(), copies and comparisons of a value recurse
+    // once per level: a 1 MiB body of brackets is ~500k levels, past any thread's stack. No
+    // OpenAI request nests deeper than a few levels.
+    json j = json::parse(body, [](int depth, json::parse_event_t, json&) {
+      if (depth >= kMaxJsonDepth) {  // depth counts from 0: the body object
+        throw ApiError(400, "the request body nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+      }
+      return true;
+    });
     if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object");
     return j;
-  } catch (const json::parse_error& e) {
-    throw ApiError(400, std::string("the request body is not valid JSON: ") + e.what());
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number past a double (1e400).
+    throw ApiError(400, "the request body is not valid JSON: " + bounded(e.what()));
   }
 }
 
@@ -37,12 +52,20 @@ std::string num(double v) {
 
 [[noreturn]] void bad(const std::string& field, const std::string& what) { throw ApiError(400, field + ": " + what, field); }
 
+// A value as an error message shows it: scalars as JSON (strings cut short), containers by kind.
+std::string shown(const json& v) {
+  if (v.is_object()) return "an object";
+  if (v.is_array()) return "an array";
+  if (v.is_string()) return json(bounded(v.get<std::string>(), 40)).dump(-1, ' ', false, json::error_handler_t::replace);
+  return v.dump();
+}
+
 bool present(const json& b, const char* k) { return b.contains(k) && !b.at(k).is_null(); }
 
 int64_t get_int(const json& b, const char* k, int64_t def, int64_t lo, int64_t hi) {
   if (!present(b, k)) return def;
   const json& v = b.at(k);
-  if (!v.is_number_integer()) bad(k, "expected an integer, got " + v.dump());
+  if (!v.is_number_integer()) bad(k, "expected an integer, got " + shown(v));
   const int64_t x = v.get<int64_t>();
   if (x < lo || x > hi) bad(k, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + std::to_string(x));
   return x;
@@ -51,18 +74,18 @@ int64_t get_int(const json& b, const char* k, int64_t def, int64_t lo, int64_t h
 double get_num(const json& b, const char* k, double def, double lo, double hi, bool open_lo = false) {
   if (!present(b, k)) return def;
   const json& v = b.at(k);
-  if (!v.is_number()) bad(k, "expected a number, got " + v.dump());
+  if (!v.is_number()) bad(k, "expected a number, got " + shown(v));
   const double x = v.get<double>();
   if (x < lo || x > hi || (open_lo && x == lo)) {
     bad(k, std::string("must be in ") + (open_lo ? "(" : "[") + num(lo) + ", " + num(hi) + "], got " +
-               v.dump());
+               shown(v));
   }
   return x;
 }
 
 bool get_bool(const json& b, const char* k, bool def) {
   if (!present(b, k)) return def;
-  if (!b.at(k).is_boolean()) bad(k, "expected true or false, got " + b.at(k).dump());
+  if (!b.at(k).is_boolean()) bad(k, "expected true or false, got " + shown(b.at(k)));
   return b.at(k).get<bool>();
 }
 
@@ -111,7 +134,7 @@ void common_sampling(const json& b, const ProtocolLimits& l, CompletionRequest& 
     } else if (s.is_array()) {
       if (s.size() > 4) bad("stop", "at most 4 stop sequences, got " + std::to_string(s.size()));
       for (const json& x : s) {
-        if (!x.is_string()) bad("stop", "expected strings, got " + x.dump());
+        if (!x.is_string()) bad("stop", "expected strings, got " + shown(x));
         p.stop.push_back(x.get<std::string>());
       }
     } else {
@@ -156,7 +179,7 @@ std::vector<int64_t> encode_prompt(const ProtocolLimits& l, const std::string& s
 std::vector<int64_t> token_list(const json& a, const std::string& field, int64_t vocab) {
   std::vector<int64_t> out;
   for (const json& t : a) {
-    if (!t.is_number_integer()) bad(field, "token ids must be integers, got " + t.dump());
+    if (!t.is_number_integer()) bad(field, "token ids must be integers, got " + shown(t));
     const int64_t id = t.get<int64_t>();
     if (id < 0 || id >= vocab) bad(field, "token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
     out.push_back(id);
@@ -183,6 +206,13 @@ void add_prompt(CompletionRequest& r, std::vector<int64_t> toks, const std::stri
 void check_choices(const CompletionRequest& r, const ProtocolLimits& l) {
   const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.n;
   if (total > l.max_n) bad("n", "prompts x n is " + std::to_string(total) + ", at most " + std::to_string(l.max_n) + " per request");
+  // The most KV-cache positions the request can hold at once, checked before any work.
+  int64_t tokens = 0;
+  for (const auto& p : r.prompts) tokens += (static_cast<int64_t>(p.size()) + r.params.max_tokens) * r.n;
+  if (l.max_request_tokens > 0 && tokens > l.max_request_tokens) {
+    bad("max_tokens", "prompts x n x (prompt + max_tokens) is " + std::to_string(tokens) + " tokens, more than the " +
+                          std::to_string(l.max_request_tokens) + " this server holds for one request");
+  }
 }
 }  // namespace
 
@@ -230,13 +260,15 @@ json chat_messages(const json& messages) {
       bad(f + ".role", "\"" + role + "\" is not one of system, developer, user, assistant");
     }
     std::string content;
-    const json c = m.value("content", json(nullptr));
+    static const json kNull = nullptr;
+    const json& c = m.contains("content") ? m.at("content") : kNull;
     if (c.is_string()) {
       content = c.get<std::string>();
     } else if (c.is_array()) {
       for (size_t k = 0; k < c.size(); ++k) {
         const json& part = c[k];
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part.at("text").is_string()) {
+        if (!part.is_object() || !part.contains("type") || part.at("type") != "text" || !part.contains("text") ||
+            !part.at("text").is_string()) {
           bad(f + ".content[" + std::to_string(k) + "]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported");
         }
         content += part.at("text").get<std::string>();
@@ -268,7 +300,7 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
   check_model(b, l);
   if (present(b, "response_format")) {
     const json& rf = b.at("response_format");
-    if (!rf.is_object() || rf.value("type", "") != "text") bad("response_format", "only {\"type\": \"text\"} is supported");
+    if (!rf.is_object() || !rf.contains("type") || rf.at("type") != "text") bad("response_format", "only {\"type\": \"text\"} is supported");
   }
   CompletionRequest r;
   r.chat = true;
@@ -312,7 +344,8 @@ json token_bytes(const ProtocolLimits& l, int64_t t) {
 std::string token_text(const ProtocolLimits& l, int64_t t) { return inference::token_text(bytes_of_token(l, t)); }
 
 json completion_logprobs(const ProtocolLimits& l, const CompletionRequest& req, const ChoiceResult& c, size_t prompt_index,
-                         bool with_prompt, const std::vector<inference::GeneratedToken>& tokens, int64_t offset0) {
+                         bool with_prompt, const std::vector<inference::GeneratedToken>& tokens, int64_t offset0,
+                         int64_t* offset_end = nullptr) {
   json toks = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
   int64_t off = offset0;
   auto add = [&](int64_t id, const json& lp, const json& top) {
@@ -336,6 +369,7 @@ json completion_logprobs(const ProtocolLimits& l, const CompletionRequest& req, 
     for (const auto& [id, v] : g.logprobs.top) top[token_text(l, id)] = v;
     add(g.id, g.logprobs.logprob, top);
   }
+  if (offset_end) *offset_end = off;
   return {{"tokens", toks}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
@@ -390,7 +424,7 @@ json completion_response(const std::string& id, int64_t created, const ProtocolL
 
 json stream_chunk(const std::string& id, int64_t created, const ProtocolLimits& l, const CompletionRequest& req, int64_t index,
                   const std::string& text, const std::vector<inference::GeneratedToken>& tokens,
-                  const std::string& finish_reason, bool first) {
+                  const std::string& finish_reason, bool first, int64_t* text_offset) {
   const size_t pi = static_cast<size_t>(index / req.n);
   const json reason = finish_reason.empty() ? json(nullptr) : json(finish_reason);
   json choice;
@@ -404,8 +438,12 @@ json stream_chunk(const std::string& id, int64_t created, const ProtocolLimits& 
     const std::string t = first && req.echo ? req.prompt_texts[pi] + text : text;
     json lp = nullptr;
     if (req.logprobs >= 0) {
+      // text_offset counts from the start of the choice's whole text, across chunks.
+      int64_t off = text_offset ? *text_offset : 0;
+      if (first && req.echo) off += static_cast<int64_t>(req.prompt_texts[pi].size());
       ChoiceResult c;
-      lp = completion_logprobs(l, req, c, pi, false, tokens, 0);
+      lp = completion_logprobs(l, req, c, pi, false, tokens, off, &off);
+      if (text_offset) *text_offset = off;
     }
     choice = {{"index", index}, {"text", t}, {"logprobs", lp}, {"finish_reason", reason}};
   }

@@ -33,6 +33,7 @@ struct ProtocolLimits {
   int64_t vocab = 256;
   int64_t max_tokens = 0;      // per choice; 0: up to the context
   int64_t max_n = 16;          // choices per request (prompts x n)
+  int64_t max_request_tokens = 0;  // sum over choices of prompt + max_tokens; 0: no limit
   data::TokenizerPtr tokenizer;  // text <-> token ids; null: bytes
   // The model's own chat template and end-of-turn tokens; null or without a template: ours.
   data::ChatFormatPtr chat;
@@ -59,7 +60,9 @@ struct CompletionRequest {
 // Throws ApiError (400 naming the field, 404 for an unknown model).
 CompletionRequest parse_completion(const nlohmann::json& body, const ProtocolLimits& limits);
 CompletionRequest parse_chat(const nlohmann::json& body, const ProtocolLimits& limits);
-nlohmann::json parse_body(const std::string& body);  // 400 with the offset of a JSON error
+// 400 with the offset of a JSON error, or past kMaxJsonDepth levels of nesting.
+inline constexpr int kMaxJsonDepth = 64;
+nlohmann::json parse_body(const std::string& body);
 
 struct ChoiceResult {
   std::string text;
@@ -72,11 +75,12 @@ struct ChoiceResult {
 nlohmann::json completion_response(const std::string& id, int64_t created, const ProtocolLimits& limits,
                                    const CompletionRequest& req, const std::vector<ChoiceResult>& choices);
 // One server-sent event's JSON for choice `index`: new text (and its tokens' logprobs), and
-// the finish reason when it is the last for that choice.
+// the finish reason when it is the last for that choice. `text_offset` (in and out, per
+// choice): where this chunk's text starts in the choice's whole text (logprobs' text_offset).
 nlohmann::json stream_chunk(const std::string& id, int64_t created, const ProtocolLimits& limits,
                             const CompletionRequest& req, int64_t index, const std::string& text,
                             const std::vector<inference::GeneratedToken>& tokens, const std::string& finish_reason,
-                            bool first);
+                            bool first, int64_t* text_offset = nullptr);
 nlohmann::json usage_chunk(const std::string& id, int64_t created, const ProtocolLimits& limits,
                            const CompletionRequest& req, int64_t prompt_tokens, int64_t completion_tokens);
 

@@ -1,6 +1,5 @@
 #include "torchspeed/serve/server.h"
 
-#include <httplib.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,6 +13,7 @@
 
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
+#include "torchspeed/serve/http.h"
 #include "torchspeed/serve/openai_protocol.h"
 
 namespace torchspeed::serve {
@@ -22,18 +22,9 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-// What the engine's sinks hand to the HTTP thread that answers the request.
-struct Job {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<ChoiceResult> choices;
-  std::deque<std::pair<int64_t, inference::RequestEvent>> events;  // streaming
-  std::vector<uint64_t> ids;
-  int64_t finished = 0;
-  bool stream = false;
-};
 
-std::string prometheus(const inference::EngineStats& s, const std::string& model, double tokens_per_s, uint64_t rejected) {
+std::string prometheus(const inference::EngineStats& s, const std::string& model, double tokens_per_s, uint64_t rejected,
+                       const http::ServerStats& h) {
   std::ostringstream o;
   auto gauge = [&](const char* name, const char* help, double v) {
     o << "# HELP " << name << " " << help << "\n# TYPE " << name << " gauge\n" << name << "{model=\"" << model << "\"} " << v << "\n";
@@ -67,43 +58,61 @@ std::string prometheus(const inference::EngineStats& s, const std::string& model
   counter("torchspeed_engine_busy_seconds_total", "Seconds spent in forward passes and sampling.", s.busy_seconds);
   counter("torchspeed_tp_collectives_total", "Collectives rank 0 ran on the tensor-parallel group (plans included).", static_cast<double>(s.tp_collectives));
   counter("torchspeed_tp_bytes_total", "Payload bytes of those collectives.", static_cast<double>(s.tp_bytes));
+  gauge("torchspeed_http_connections_open", "Client connections open.", static_cast<double>(h.connections_open));
+  gauge("torchspeed_http_requests_in_flight", "Requests not yet completely answered.", static_cast<double>(h.exchanges_open));
+  counter("torchspeed_http_requests_total", "HTTP requests parsed.", static_cast<double>(h.requests));
+  counter("torchspeed_http_refused_connections_total", "Connections refused past --max-connections (503).", static_cast<double>(h.refused_connections));
+  counter("torchspeed_http_timeouts_total", "Requests that did not arrive in time (408) and clients that stopped reading.", static_cast<double>(h.timeouts));
+  counter("torchspeed_http_limit_errors_total", "Requests refused by an HTTP limit (400, 413, 414, 415, 431, ...).", static_cast<double>(h.limit_errors));
+  counter("torchspeed_http_clients_gone_total", "Clients that went away before their answer was complete.", static_cast<double>(h.clients_gone));
   hist("torchspeed_time_to_first_token_seconds", "Time from arrival to the first generated token.", s.ttft);
   hist("torchspeed_inter_token_latency_seconds", "Time between consecutive tokens of a sequence.", s.itl);
   return o.str();
 }
 
-void send_json(httplib::Response& res, int status, const json& j) {
-  res.status = status;
-  res.set_content(j.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+http::Response json_response(int status, const json& j) {
+  http::Response r;
+  r.status = status;
+  r.body = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  return r;
 }
 
-void send_error(httplib::Response& res, const ApiError& e) {
-  send_json(res, e.status, e.to_json());
-}
-
-// HTTP threads run at a lower priority than the engine: on a machine whose cores all run the
-// forward pass, a woken HTTP thread would otherwise stall a parallel region's barrier (the
-// engine's OpenMP workers wait for the descheduled one). They need little CPU.
-void lower_thread_priority() {
-  thread_local bool done = false;
-  if (done) return;
-  done = true;
-  setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+void send_error(const http::Responder& res, const ApiError& e) {
+  http::Response r = json_response(e.status, e.to_json());
+  if (e.status == 429 || e.status == 503) r.headers.emplace_back("Retry-After", "1");
+  res.respond(std::move(r));
 }
 
 std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
+
+// One request's sequences, as the engine's sinks fill them in and the workers send them.
+struct Job {
+  std::mutex mu;
+  std::vector<ChoiceResult> choices;
+  std::deque<std::pair<int64_t, inference::RequestEvent>> events;  // streaming, not yet sent
+  std::vector<uint64_t> ids;
+  int64_t finished = 0, total = 0;
+  bool stream = false, flush_queued = false, ended = false, started = false;
+  http::Responder res;
+  std::shared_ptr<const CompletionRequest> req;
+  ProtocolLimits limits;
+  std::string id;
+  int64_t created = 0;
+  std::vector<bool> first;
+  std::vector<int64_t> text_offset;  // per choice: bytes of text sent (logprobs' text_offset)
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+};
 }  // namespace
 
 struct Server::Impl {
   ServerOptions o;
-  httplib::Server http;
-  std::thread thread;
+  std::unique_ptr<http::Server> http;
   std::atomic<inference::Engine*> engine{nullptr};
   data::ChatFormatPtr chat;  // set before the engine is published
   std::atomic<bool> draining{false};
-  std::atomic<int> inflight{0};
   std::atomic<uint64_t> next_id{1}, rejected{0};
   int bound_port = 0;
+  bool shut = false;
   int64_t created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   std::mutex rate_mu;
   Clock::time_point last_scrape = Clock::now();
@@ -119,67 +128,162 @@ struct Server::Impl {
     l.max_tokens = o.max_tokens();
     // A request's choices enter the queue together: more than it holds could never be served.
     l.max_n = std::max<int64_t>(1, std::min(o.max_n(), e.options().max_queue()));
+    const inference::EngineStats s = e.stats();
+    l.max_request_tokens = o.max_request_tokens() > 0 ? o.max_request_tokens() : s.blocks_total * s.block_size;
     return l;
   }
 
-  bool authorized(const httplib::Request& req, httplib::Response& res) {
+  bool authorized(const http::Request& req, const http::Responder& res) {
     if (o.api_key().empty()) return true;
-    if (req.get_header_value("Authorization") == "Bearer " + o.api_key()) return true;
+    const std::string* h = req.header("authorization");
+    if (h && *h == "Bearer " + o.api_key()) return true;
     send_error(res, ApiError(401, "invalid or missing API key: send the header \"Authorization: Bearer KEY\"", "",
                              "invalid_request_error", "invalid_api_key"));
     return false;
   }
 
-  inference::Engine* ready(httplib::Response& res) {
-    inference::Engine* e = engine.load();
-    if (!e) {
-      send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
-      return nullptr;
-    }
-    if (draining) {
-      send_error(res, ApiError(503, "the server is shutting down", "", "server_error", "shutting_down"));
-      return nullptr;
-    }
-    return e;
+  // 503 with the reason when the engine cannot take work: loading, draining, or failed.
+  std::optional<ApiError> unavailable(inference::Engine* e) const {
+    if (!e) return ApiError(503, "the model is still loading", "", "server_error", "model_loading");
+    if (e->failed()) return ApiError(503, "the inference engine failed and is stopping: " + e->failure(), "", "server_error", "engine_failed");
+    if (draining || !e->accepting()) return ApiError(503, "the server is shutting down", "", "server_error", "shutting_down");
+    return std::nullopt;
   }
 
-  void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
-    lower_thread_priority();
+  // Sends what the sinks queued for a streamed request, on a worker. One flush runs per
+  // request at a time (flush_queued stays set until it finds nothing more), so events go out
+  // in order.
+  void flush_stream(const std::shared_ptr<Job>& job) {
+    const CompletionRequest& r = *job->req;
+    while (true) {
+      std::deque<std::pair<int64_t, inference::RequestEvent>> evs;
+      bool all_done;
+      {
+        std::lock_guard<std::mutex> g(job->mu);
+        // started: the 200 and its headers are out.
+        if (job->ended || !job->started || job->events.empty()) {
+          job->flush_queued = false;
+          return;
+        }
+        evs.swap(job->events);
+        all_done = job->finished == job->total;
+        if (all_done) job->ended = true;
+      }
+      std::string out;
+      bool aborted = false;
+      try {
+        for (auto& [i, ev] : evs) {
+          if (ev.finished && ev.finish_reason == "abort") aborted = true;
+          if (ev.finished) job->completion_tokens += ev.completion_tokens;
+          const bool is_first = job->first[static_cast<size_t>(i)];
+          if (ev.text.empty() && !ev.finished && !is_first && (r.logprobs < 0 || ev.tokens.empty())) continue;
+          out += sse(stream_chunk(job->id, job->created, job->limits, r, i, ev.text, ev.tokens, ev.finished ? ev.finish_reason : "", is_first,
+                                  &job->text_offset[static_cast<size_t>(i)]));
+          job->first[static_cast<size_t>(i)] = false;
+        }
+      } catch (const std::exception& err) {
+        // An event we cannot put into words ends the stream with an error event, not the server.
+        out += sse(ApiError(500, std::string("internal error while streaming: ") + err.what(), "", "server_error").to_json());
+        cancel(*job);
+        all_done = true;
+        std::lock_guard<std::mutex> g(job->mu);
+        job->ended = true;
+      }
+      if (aborted) out += sse(ApiError(503, "the request was aborted: the server is stopping", "", "server_error").to_json());
+      if (all_done) {
+        if (r.include_usage) out += sse(usage_chunk(job->id, job->created, job->limits, r, job->prompt_tokens, job->completion_tokens));
+        out += "data: [DONE]\n\n";
+      }
+      if (!out.empty()) job->res.write(std::move(out));
+      if (all_done) {
+        job->res.end();
+        return;
+      }
+    }
+  }
+
+  void answer(const std::shared_ptr<Job>& job) {
+    for (const auto& c : job->choices) {
+      if (c.finish_reason == "abort") {
+        inference::Engine* e = engine.load();
+        const std::string why = e && e->failed() ? "the inference engine failed: " + e->failure() : "the server is stopping";
+        return send_error(job->res, ApiError(503, "the request was aborted: " + why, "", "server_error"));
+      }
+    }
+    try {
+      job->res.respond(json_response(200, completion_response(job->id, job->created, job->limits, *job->req, job->choices)));
+    } catch (const std::exception& err) {
+      send_error(job->res, ApiError(500, std::string("internal error: ") + err.what(), "", "server_error"));
+    }
+  }
+
+  void cancel(Job& job) {
+    inference::Engine* e = engine.load();
+    std::vector<uint64_t> ids;
+    {
+      std::lock_guard<std::mutex> g(job.mu);
+      ids = job.ids;
+    }
+    if (e) {
+      for (uint64_t x : ids) e->cancel(x);
+    }
+  }
+
+  void generate(http::Request& req, const http::Responder& res, bool chat_route) {
     if (!authorized(req, res)) return;
-    inference::Engine* e = ready(res);
-    if (!e) return;
+    inference::Engine* e = engine.load();
+    if (auto err = unavailable(e)) return send_error(res, *err);
     try {
       const ProtocolLimits l = limits(*e);
       const json body = parse_body(req.body);
-      auto r = std::make_shared<CompletionRequest>(chat ? parse_chat(body, l) : parse_completion(body, l));
+      req.body.clear();
+      req.body.shrink_to_fit();
+      auto r = std::make_shared<const CompletionRequest>(chat_route ? parse_chat(body, l) : parse_completion(body, l));
       auto job = std::make_shared<Job>();
       job->stream = r->stream;
-      const int64_t total = static_cast<int64_t>(r->prompts.size()) * r->n;
-      job->choices.resize(static_cast<size_t>(total));
+      job->total = static_cast<int64_t>(r->prompts.size()) * r->n;
+      job->choices.resize(static_cast<size_t>(job->total));
+      job->first.assign(static_cast<size_t>(job->total), true);
+      job->text_offset.assign(static_cast<size_t>(job->total), 0);
+      job->res = res;
+      job->req = r;
+      job->limits = l;
+      job->created = created;
+      job->id = (chat_route ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
+      for (const auto& pr : r->prompts) job->prompt_tokens += static_cast<int64_t>(pr.size());
       std::vector<inference::Engine::Submission> group;
-      for (int64_t i = 0; i < total; ++i) {
+      for (int64_t i = 0; i < job->total; ++i) {
         inference::SamplingParams p = r->params;
         if (p.seed) p.seed = *p.seed + static_cast<uint64_t>(i % r->n);
-        auto sink = [job, i](const inference::RequestEvent& ev) {
-          std::lock_guard<std::mutex> g(job->mu);
-          if (job->stream) {
-            job->events.emplace_back(i, ev);
-          } else {
-            ChoiceResult& c = job->choices[static_cast<size_t>(i)];
-            c.text += ev.text;
-            c.tokens.insert(c.tokens.end(), ev.tokens.begin(), ev.tokens.end());
-            c.prompt_lps.insert(c.prompt_lps.end(), ev.prompt.begin(), ev.prompt.end());
+        // On the engine's thread: record, and leave the JSON to a worker.
+        auto sink = [this, job, i](const inference::RequestEvent& ev) {
+          bool post = false;
+          {
+            std::lock_guard<std::mutex> g(job->mu);
+            if (ev.finished) ++job->finished;
+            if (job->stream) {
+              job->events.emplace_back(i, ev);
+              post = !job->flush_queued;
+              job->flush_queued = true;
+            } else {
+              ChoiceResult& c = job->choices[static_cast<size_t>(i)];
+              c.text += ev.text;
+              c.tokens.insert(c.tokens.end(), ev.tokens.begin(), ev.tokens.end());
+              c.prompt_lps.insert(c.prompt_lps.end(), ev.prompt.begin(), ev.prompt.end());
+              if (ev.finished) {
+                c.finish_reason = ev.finish_reason;
+                c.completion_tokens = ev.completion_tokens;
+              }
+              post = job->finished == job->total;
+            }
           }
-          if (ev.finished) {
-            ChoiceResult& c = job->choices[static_cast<size_t>(i)];
-            c.finish_reason = ev.finish_reason;
-            c.completion_tokens = ev.completion_tokens;
-            ++job->finished;
-          }
-          job->cv.notify_all();
+          if (!post) return;
+          if (job->stream) http->post([this, job] { flush_stream(job); });
+          else http->post([this, job] { answer(job); });
         };
         group.push_back({r->prompts[static_cast<size_t>(i / r->n)], p, sink});
       }
+      if (res.gone()) return;  // the client left while we parsed
       // A request's choices are queued together or not at all. (One by one, whether the last
       // of n choices found room depended on how many the engine had admitted meanwhile: the
       // same request could be served or refused on an idle server.)
@@ -190,91 +294,52 @@ struct Server::Impl {
         throw ApiError(400, err.what(), "prompt");
       }
       if (!ids) {
+        if (auto err = unavailable(e)) throw *err;
         ++rejected;
-        res.set_header("Retry-After", "1");
-        send_error(res, ApiError(429, "the server's queue is full; retry later", "", "rate_limit_error", "queue_full"));
-        return;
+        throw ApiError(429, "the server's queue is full; retry later", "", "rate_limit_error", "queue_full");
       }
+      bool post = false;
+      if (r->stream) res.begin_stream(200, "text/event-stream", {{"Cache-Control", "no-cache"}});
       {
         std::lock_guard<std::mutex> g(job->mu);
         job->ids = *ids;
+        job->started = true;
+        post = r->stream && !job->flush_queued && !job->events.empty();
+        if (post) job->flush_queued = true;
       }
-      const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
-      if (!r->stream) {
-        std::unique_lock<std::mutex> lk(job->mu);
-        job->cv.wait(lk, [&] { return job->finished == total; });
-        for (const auto& c : job->choices) {
-          if (c.finish_reason == "abort") {
-            send_error(res, ApiError(503, "the request was aborted: the server is stopping", "", "server_error"));
-            return;
-          }
-        }
-        send_json(res, 200, completion_response(id, created, l, *r, job->choices));
-        return;
-      }
-      ++inflight;
-      auto first = std::make_shared<std::vector<bool>>(static_cast<size_t>(total), true);
-      auto usage = std::make_shared<std::pair<int64_t, int64_t>>(0, 0);
-      for (const auto& pr : r->prompts) usage->first += static_cast<int64_t>(pr.size());
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [this, job, r, l, id, total, first, usage, e](size_t, httplib::DataSink& sink) {
-            std::deque<std::pair<int64_t, inference::RequestEvent>> evs;
-            bool all_done;
-            {
-              std::unique_lock<std::mutex> lk(job->mu);
-              job->cv.wait_for(lk, std::chrono::seconds(1), [&] { return !job->events.empty(); });
-              evs.swap(job->events);
-              all_done = job->finished == total;
-            }
-            std::string out;
-            bool aborted = false;
-            for (auto& [i, ev] : evs) {
-              if (ev.finished && ev.finish_reason == "abort") aborted = true;
-              if (ev.finished) usage->second += ev.completion_tokens;
-              const bool is_first = (*first)[static_cast<size_t>(i)];
-              if (ev.text.empty() && !ev.finished && !is_first && (r->logprobs < 0 || ev.tokens.empty())) continue;
-              out += sse(stream_chunk(id, created, l, *r, i, ev.text, ev.tokens, ev.finished ? ev.finish_reason : "", is_first));
-              (*first)[static_cast<size_t>(i)] = false;
-            }
-            if (aborted) {
-              out += sse(ApiError(503, "the request was aborted: the server is stopping", "", "server_error").to_json());
-            }
-            if (all_done) {
-              if (r->include_usage) out += sse(usage_chunk(id, created, l, *r, usage->first, usage->second));
-              out += "data: [DONE]\n\n";
-            }
-            // A comment line every second keeps the connection honest: writing is how a client
-            // that went away is noticed.
-            if (out.empty()) out = ": keep-alive\n\n";
-            if (!sink.write(out.data(), out.size())) {
-              for (uint64_t x : job->ids) e->cancel(x);
-              return false;
-            }
-            if (all_done) sink.done();
-            return true;
-          },
-          [this, job, e](bool success) {
-            if (!success) {
-              for (uint64_t x : job->ids) e->cancel(x);
-            }
-            --inflight;
-          });
+      if (post) http->post([this, job] { flush_stream(job); });
+      // A client that goes away (streamed or not) frees its sequences on the engine's next step.
+      std::weak_ptr<Job> weak = job;
+      res.on_gone([this, weak] {
+        if (auto j = weak.lock()) cancel(*j);
+      });
     } catch (const ApiError& err) {
-      send_error(res, err);
+      error_reply(res, err);
     } catch (const std::exception& err) {
-      send_error(res, ApiError(500, std::string("internal error: ") + err.what(), "", "server_error"));
+      error_reply(res, ApiError(500, std::string("internal error: ") + err.what(), "", "server_error"));
     }
   }
 
+  // An error answer (a JSON body with its status); where a stream has begun, an error event
+  // and the end of the stream.
+  static void error_reply(const http::Responder& res, const ApiError& err) {
+    http::Response r = json_response(err.status, err.to_json());
+    if (err.status == 429 || err.status == 503) r.headers.emplace_back("Retry-After", "1");
+    if (res.respond(std::move(r))) return;
+    res.write(sse(err.to_json()) + "data: [DONE]\n\n");
+    res.end();
+  }
+
   void routes() {
-    http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-      if (!engine.load()) return send_json(res, 503, {{"status", "loading"}});
-      if (draining) return send_json(res, 503, {{"status", "draining"}});
-      send_json(res, 200, {{"status", "ok"}});
-    });
-    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    using Mode = http::Server::Mode;
+    http->route("GET", "/health", [this](http::Request&, const http::Responder& res) {
+      inference::Engine* e = engine.load();
+      if (!e) return res.respond(json_response(503, {{"status", "loading"}})), void();
+      if (e->failed()) return res.respond(json_response(503, {{"status", "failed"}})), void();
+      if (draining) return res.respond(json_response(503, {{"status", "draining"}})), void();
+      res.respond(json_response(200, {{"status", "ok"}}));
+    }, Mode::kInline);
+    http->route("GET", "/metrics", [this](http::Request&, const http::Responder& res) {
       inference::Engine* e = engine.load();
       if (!e) return send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
       const inference::EngineStats s = e->stats();
@@ -287,56 +352,48 @@ struct Server::Impl {
         last_scrape = now;
         last_tokens = s.generated_tokens;
       }
-      res.set_content(prometheus(s, o.model_name(), rate, rejected.load()), "text/plain; version=0.0.4");
-    });
-    http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+      http::Response r;
+      r.content_type = "text/plain; version=0.0.4";
+      r.body = prometheus(s, o.model_name(), rate, rejected.load(), http->stats());
+      res.respond(std::move(r));
+    }, Mode::kInline);
+    http->route("GET", "/v1/models", [this](http::Request& req, const http::Responder& res) {
       if (!authorized(req, res)) return;
       inference::Engine* e = engine.load();
       if (!e) return send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
-      send_json(res, 200,
+      res.respond(json_response(200,
                 {{"object", "list"},
                  {"data", json::array({{{"id", o.model_name()}, {"object", "model"}, {"created", created},
-                                        {"owned_by", "torchspeed"}, {"max_model_len", e->context_length()}}})}});
-    });
-    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, false); });
-    http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, true); });
-    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-      if (!res.body.empty()) return;
-      std::string msg = res.status == 404 ? "no route " + req.method + " " + req.path
-                        : res.status == 413 ? std::string("the request body is too large")
-                                            : "HTTP " + std::to_string(res.status);
-      send_json(res, res.status, ApiError(res.status, msg).to_json());
-    });
+                                        {"owned_by", "torchspeed"}, {"max_model_len", e->context_length()}}})}}));
+    }, Mode::kInline);
+    http->route("POST", "/v1/completions", [this](http::Request& req, const http::Responder& res) { generate(req, res, false); }, Mode::kWorker);
+    http->route("POST", "/v1/chat/completions", [this](http::Request& req, const http::Responder& res) { generate(req, res, true); }, Mode::kWorker);
   }
 };
 
 Server::Server(const ServerOptions& options) : impl_(std::make_unique<Impl>()) {
   impl_->o = options;
-  const int threads = options.http_threads();
-  impl_->http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
-  impl_->http.set_payload_max_length(static_cast<size_t>(options.max_body_bytes()));
-  impl_->http.set_keep_alive_timeout(5);
+  http::Limits l;
+  l.max_body_bytes = static_cast<size_t>(options.max_body_bytes());
+  l.max_connections = options.max_connections();
+  l.workers = options.http_threads();
+  impl_->http = std::make_unique<http::Server>(l);
   impl_->routes();
 }
 
 Server::~Server() {
-  if (impl_->thread.joinable()) {
-    impl_->http.stop();
-    impl_->thread.join();
-  }
+  impl_->http->stop();
+  impl_->engine = nullptr;
 }
 
 void Server::start() {
   Impl& s = *impl_;
-  if (s.o.port() == 0) {
-    s.bound_port = s.http.bind_to_any_port(s.o.host());
-    TS_CHECK(s.bound_port > 0, "cannot bind an HTTP port on ", s.o.host());
-  } else {
-    TS_CHECK(s.http.bind_to_port(s.o.host(), s.o.port()), "cannot listen on ", s.o.host(), ":", s.o.port(),
-             " (in use, or not an address of this machine)");
-    s.bound_port = s.o.port();
+  try {
+    s.bound_port = s.http->bind(s.o.host(), s.o.port());
+  } catch (const std::exception& e) {
+    TS_CHECK(false, e.what(), " (in use, or not an address of this machine)");
   }
-  s.thread = std::thread([&s] { s.http.listen_after_bind(); });
+  s.http->start();
 }
 
 int Server::port() const { return impl_->bound_port; }
@@ -345,15 +402,20 @@ void Server::set_engine(inference::Engine* engine) { impl_->engine = engine; }
 
 void Server::set_chat_format(data::ChatFormatPtr chat) { impl_->chat = std::move(chat); }
 
-void Server::shutdown() {
+void Server::shutdown() { shutdown(1e9); }
+
+void Server::shutdown(double drain_timeout_s) {
   Impl& s = *impl_;
+  if (s.shut) return;
+  s.shut = true;
   s.draining = true;
-  if (inference::Engine* e = s.engine.load()) e->stop(/*drain=*/true);
-  // Streams write their last events once the engine has finished them.
-  for (int i = 0; i < 300 && s.inflight.load() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  s.http.stop();
-  if (s.thread.joinable()) s.thread.join();
+  s.http->stop_accepting();
+  if (inference::Engine* e = s.engine.load()) e->stop(/*drain=*/true, drain_timeout_s);
+  // The workers write the last events and answers; a client that does not read them gets
+  // a few seconds.
+  for (int i = 0; i < 100 && s.http->exchanges_open() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  s.http->stop();
+  s.engine = nullptr;
 }
 
 }  // namespace torchspeed::serve

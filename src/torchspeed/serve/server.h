@@ -1,9 +1,9 @@
 // The HTTP front end over inference::Engine: OpenAI's routes (/v1/completions,
 // /v1/chat/completions, /v1/models), /health (503 while the model loads) and /metrics
-// (Prometheus text), server-sent-event streaming, an optional API key, limits on body size,
-// queue and max_tokens, and a draining shutdown. Built on cpp-httplib (Debian's
-// libcpp-httplib-dev): a maintained, dependency-light HTTP/1.1 server with a thread pool and
-// chunked responses, which is all an OpenAI-style API needs. Nothing here touches tensors.
+// (Prometheus text), server-sent-event streaming, an optional API key, limits on everything a
+// client controls (serve/http.h), on queue, max_tokens and a request's tokens, and a draining
+// shutdown with a deadline. A client that goes away, streamed or not, frees its sequences on
+// the engine's next step. Nothing here touches tensors.
 #pragma once
 
 #include <torch/arg.h>
@@ -25,7 +25,9 @@ struct ServerOptions {
   TORCH_ARG(int64_t, max_body_bytes) = 1 << 20;
   TORCH_ARG(int64_t, max_tokens) = 0;            // per choice; 0: up to the context
   TORCH_ARG(int64_t, max_n) = 16;                // choices per request
-  TORCH_ARG(int, http_threads) = 64;             // connections served at once
+  TORCH_ARG(int64_t, max_request_tokens) = 0;    // prompts x n x (prompt + max_tokens); 0: the KV cache
+  TORCH_ARG(int, http_threads) = 4;              // workers that parse and tokenize requests
+  TORCH_ARG(int, max_connections) = 1024;        // open at once; 503 past it
 };
 
 class Server {
@@ -38,9 +40,11 @@ class Server {
   void set_engine(inference::Engine* engine);
   // The model's chat format (its template and end-of-turn tokens); set before set_engine.
   void set_chat_format(data::ChatFormatPtr chat);
-  // Stops taking requests (503), lets the engine finish what it has, waits for responses to
-  // be written, then stops listening. The engine's stop(true) is called here.
-  void shutdown();
+  // Stops taking requests (503), lets the engine finish what it has for up to
+  // `drain_timeout_s` (then aborts the rest: their clients get 503), gives the answers a few
+  // seconds to be written, then closes every connection. The engine's stop is called here.
+  void shutdown(double drain_timeout_s);
+  void shutdown();  // no deadline
 
  private:
   struct Impl;

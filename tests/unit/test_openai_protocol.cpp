@@ -1,0 +1,113 @@
+// serve/openai_protocol.h under hostile requests: nesting that would overflow the stack, numbers
+// past a double, fields of the wrong type deep inside, error messages that must not echo a
+// megabyte, the per-request token budget, and streamed text_offset across chunks. Every
+// refusal is a 400 naming its field, never a crash or a 500. CI runs it again under
+// AddressSanitizer and UndefinedBehaviorSanitizer (fuzz/CMakeLists.txt).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "torchspeed/serve/openai_protocol.h"
+
+using namespace torchspeed::serve;
+using nlohmann::json;
+
+namespace {
+
+ProtocolLimits limits() {
+  ProtocolLimits l;
+  l.model_name = "m";
+  l.context_length = 128;
+  l.vocab = 256;
+  return l;
+}
+
+// The ApiError a call throws (status 0 when none).
+template <typename F>
+ApiError error_of(F&& f) {
+  try {
+    f();
+  } catch (const ApiError& e) {
+    return e;
+  }
+  return ApiError(0, "no error");
+}
+
+TEST(OpenAIProtocol, NestingPastTheLimitIsRefusedNotRecursed) {
+  // ~500k levels in 1 MiB: recursion in dump() or a copy would overflow the stack.
+  const std::string deep = "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": " + std::string(500000, '[') +
+                           std::string(500000, ']') + "}]}";
+  ApiError e = error_of([&] { parse_body(deep); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_NE(std::string(e.what()).find("nests deeper than 64"), std::string::npos);
+  std::string ok = "{\"a\": " + std::string(kMaxJsonDepth - 1, '[') + std::string(kMaxJsonDepth - 1, ']') + "}";
+  EXPECT_NO_THROW(parse_body(ok));
+  std::string over = "{\"a\": " + std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']') + "}";
+  EXPECT_EQ(error_of([&] { parse_body(over); }).status, 400);
+}
+
+TEST(OpenAIProtocol, BadBodiesAre400WithBoundedMessages) {
+  EXPECT_EQ(error_of([] { parse_body("{\"temperature\": 1e400}"); }).status, 400);  // out_of_range, was 500
+  EXPECT_EQ(error_of([] { parse_body(""); }).status, 400);
+  EXPECT_EQ(error_of([] { parse_body("[1]"); }).status, 400);
+  const std::string junk = "{\"a\": \"" + std::string(1 << 20, 'x') + "\x01\"}";
+  ApiError e = error_of([&] { parse_body(junk); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_LT(std::string(e.what()).size(), 400u);
+  // A field's bad value is shown cut short.
+  json b = {{"model", "m"}, {"prompt", "hi"}, {"stop", json::array({std::string(1 << 20, 'y'), 3})}};
+  b["stop"][0] = 3;
+  e = error_of([&] { parse_completion(b, limits()); });
+  EXPECT_EQ(e.status, 400);
+  json big = {{"model", "m"}, {"prompt", "hi"}, {"temperature", std::string(1 << 20, 'z')}};
+  e = error_of([&] { parse_completion(big, limits()); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "temperature");
+  EXPECT_LT(std::string(e.what()).size(), 200u);
+  json nested = {{"model", "m"}, {"prompt", json::array({json::array({json::object({{"a", json::array({1, 2})}})})})}};
+  e = error_of([&] { parse_completion(nested, limits()); });
+  EXPECT_EQ(e.status, 400);
+}
+
+TEST(OpenAIProtocol, WrongTypesDeepInsideAre400) {
+  json chat = {{"model", "m"}, {"messages", json::array({{{"role", "user"}, {"content", json::array({{{"type", 5}, {"text", "x"}}})}}})}};
+  ApiError e = error_of([&] { parse_chat(chat, limits()); });
+  EXPECT_EQ(e.status, 400);  // value("type", "") threw type_error: 500
+  EXPECT_EQ(e.param, "messages[0].content[0]");
+  json rf = {{"model", "m"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}, {"response_format", {{"type", 1}}}};
+  EXPECT_EQ(error_of([&] { parse_chat(rf, limits()); }).status, 400);
+  json role = {{"model", "m"}, {"messages", json::array({{{"role", json::array()}, {"content", "hi"}}})}};
+  EXPECT_EQ(error_of([&] { parse_chat(role, limits()); }).status, 400);
+  json ok = {{"model", "m"}, {"messages", json::array({{{"role", "user"}, {"content", json::array({{{"type", "text"}, {"text", "x"}}})}}})}};
+  EXPECT_NO_THROW(parse_chat(ok, limits()));
+}
+
+TEST(OpenAIProtocol, RequestTokenBudgetIsCheckedBeforeWork) {
+  ProtocolLimits l = limits();
+  l.max_request_tokens = 100;
+  json b = {{"model", "m"}, {"prompt", "0123456789"}, {"max_tokens", 20}, {"n", 4}};
+  ApiError e = error_of([&] { parse_completion(b, l); });
+  EXPECT_EQ(e.status, 400);  // 4 x (10 + 20) = 120 > 100
+  EXPECT_EQ(e.param, "max_tokens");
+  b["n"] = 3;  // 90
+  EXPECT_NO_THROW(parse_completion(b, l));
+}
+
+TEST(OpenAIProtocol, StreamedTextOffsetsContinueAcrossChunks) {
+  ProtocolLimits l = limits();
+  CompletionRequest r = parse_completion({{"model", "m"}, {"prompt", "ab"}, {"logprobs", 0}, {"echo", true}, {"stream", true}}, l);
+  auto tok = [](int64_t id) {
+    torchspeed::inference::GeneratedToken g;
+    g.id = id;
+    return g;
+  };
+  int64_t off = 0;
+  json c1 = stream_chunk("id", 0, l, r, 0, "xy", {tok('x'), tok('y')}, "", true, &off);
+  json c2 = stream_chunk("id", 0, l, r, 0, "z", {tok('z')}, "length", false, &off);
+  EXPECT_EQ(c1["choices"][0]["text"], "abxy");
+  EXPECT_EQ(c1["choices"][0]["logprobs"]["text_offset"], json::array({2, 3}));
+  EXPECT_EQ(c2["choices"][0]["logprobs"]["text_offset"], json::array({4}));
+  EXPECT_EQ(off, 5);
+}
+
+}  // namespace
