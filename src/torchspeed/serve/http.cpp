@@ -416,7 +416,10 @@ struct Server::Core {
     uint64_t id = 0, seq = 0;
     std::string in;
     Parser parser;
-    enum State { kReading, kHandling, kClosing } state = kReading;
+    // kLingering: answered and half-closed; what the client still sends is read and dropped
+    // for a moment, so that closing does not reset the connection before it reads the answer
+    // (a client still sending a refused body would otherwise lose the 413).
+    enum State { kReading, kHandling, kLingering, kClosing } state = kReading;
     std::string out;
     size_t out_off = 0;
     Clock::time_point started{}, last_activity{}, last_write_progress{};
@@ -610,7 +613,14 @@ void Server::Core::flush(Conn& c) {
   if (c.out.empty() && c.answer_complete) {
     if (c.close_after) {
       ::shutdown(c.fd, SHUT_WR);
-      close_conn(c, false);
+      if (c.ex) {
+        c.ex.reset();
+        --exchanges;
+      }
+      c.state = Conn::kLingering;
+      c.reading_paused = false;
+      c.last_activity = Clock::now();
+      update_interest(c);
       return;
     }
     // Ready for the next request on this connection (pipelined bytes may be waiting).
@@ -763,6 +773,8 @@ void Server::Core::sweep() {
     if (c.state == Conn::kReading) {
       if (c.in_request && secs(c.started) > limits.request_timeout_s) act.emplace_back(&c, 408);
       else if (!c.in_request && secs(c.last_activity) > limits.idle_timeout_s) act.emplace_back(&c, 0);
+    } else if (c.state == Conn::kLingering && secs(c.last_activity) > 2.0) {
+      act.emplace_back(&c, 0);
     } else if (c.state == Conn::kHandling && c.out.size() > c.out_off && secs(c.last_write_progress) > limits.write_timeout_s) {
       act.emplace_back(&c, 1);
     }
@@ -815,6 +827,16 @@ void Server::Core::accept_all() {
 
 void Server::Core::on_readable(Conn& c) {
   char buf[64 << 10];
+  if (c.state == Conn::kLingering) {
+    for (int i = 0; i < 16; ++i) {
+      const ssize_t n = ::recv(c.fd, buf, sizeof(buf), 0);
+      if (n > 0) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+      close_conn(c, false);
+      return;
+    }
+    return;
+  }
   while (c.state != Conn::kClosing && !c.reading_paused) {
     const ssize_t n = ::recv(c.fd, buf, sizeof(buf), 0);
     if (n > 0) {
@@ -860,8 +882,12 @@ void Server::Core::loop_main() {
       if (it == conns.end()) continue;
       Conn& c = *it->second;
       if (c.state == Conn::kClosing) continue;
-      if ((e.events & EPOLLIN) && !c.reading_paused) on_readable(c);
+      if ((e.events & EPOLLIN) && (!c.reading_paused || c.state == Conn::kLingering)) on_readable(c);
       if (c.state == Conn::kClosing) continue;
+      if (c.state == Conn::kLingering) {
+        if (e.events & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) close_conn(c, false);
+        continue;
+      }
       if (e.events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
         // The peer closed or half-closed (what it sent before was read above). A request in
         // flight has nobody to answer to: its owner hears of it (on_gone) and stops the work.
