@@ -6,6 +6,7 @@
 // foreign section's non-boolean "enabled", batch products overflowing int64) are fixed in
 // config.cpp, with regression tests in unit_config.
 #include <cstddef>
+#include <chrono>
 #include <cstdint>
 #include <utility>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,12 @@
 
 #include "fuzz_util.h"
 #include "torchspeed/config/config.h"
+
+// The communication timeout's default (comm/communicator.cpp, which needs LibTorch's tensors
+// and MPI's headers): the config reader only asks for its value.
+namespace torchspeed::comm {
+std::chrono::milliseconds default_timeout() { return std::chrono::minutes(10); }
+}  // namespace torchspeed::comm
 
 namespace {
 

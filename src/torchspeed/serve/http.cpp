@@ -136,6 +136,8 @@ const std::string* Request::header(std::string_view name) const {
 // The incremental request parser: `pos` bytes of the buffer are consumed; each call goes on
 // from there with whatever has arrived since.
 namespace {
+constexpr size_t kCompactAfter = 64 << 10;
+
 struct Parser {
   enum Phase { kHead, kLength, kChunkSize, kChunkData, kChunkEnd, kTrailers, kDone };
   Phase phase = kHead;
@@ -154,7 +156,8 @@ struct Parser {
           const size_t nl = buf.find('\n', pos);
           if (nl == std::string_view::npos) {
             const size_t pending = buf.size() - pos;
-            if (phase == kHead && !seen_request_line && pending > l.max_request_line) return 414;
+            // (+1: the line's CR may be pending too; the line itself is measured without it)
+            if (phase == kHead && !seen_request_line && pending > l.max_request_line + 1) return 414;
             if (head_bytes + pending > l.max_header_bytes) return 431;
             return 0;
           }
@@ -196,7 +199,7 @@ struct Parser {
         }
         case kChunkSize: {
           const size_t nl = buf.find('\n', pos);
-          if (nl == std::string_view::npos) return buf.size() - pos > 1024 ? 400 : 0;
+          if (nl == std::string_view::npos) return buf.size() - pos > 1024 + 1 ? 400 : 0;  // + its CR
           std::string_view line = buf.substr(pos, nl - pos);
           pos = nl + 1;
           if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
@@ -328,6 +331,27 @@ int parse_request(std::string_view in, const Limits& limits, Request& out, size_
   Parser p;
   const int s = p.run(in, limits);
   used = p.pos;
+  if (s == 1) out = std::move(p.req);
+  return s;
+}
+
+int parse_request_in_pieces(const std::vector<std::string_view>& pieces, const Limits& limits, Request& out, size_t& used) {
+  Parser p;
+  std::string buf;
+  size_t dropped = 0;
+  int s = 0;
+  for (std::string_view piece : pieces) {
+    buf.append(piece);
+    s = p.run(buf, limits);
+    if (s != 0) break;
+    // As the loop does: consumed body bytes leave the buffer.
+    if (p.phase != Parser::kHead && p.pos > kCompactAfter) {
+      buf.erase(0, p.pos);
+      dropped += p.pos;
+      p.pos = 0;
+    }
+  }
+  used = dropped + p.pos;
   if (s == 1) out = std::move(p.req);
   return s;
 }
@@ -657,7 +681,7 @@ void Server::Core::advance(Conn& c) {
       flush(c);
     }
     // Consumed bytes of a long body need not stay in the buffer.
-    if (c.parser.phase != Parser::kHead && c.parser.pos > (64 << 10)) {
+    if (c.parser.phase != Parser::kHead && c.parser.pos > kCompactAfter) {
       c.in.erase(0, c.parser.pos);
       c.parser.pos = 0;
     }

@@ -116,5 +116,7 @@ class Server {
 // returns 0 while more bytes are needed, the HTTP status of an error (400, 413, 414, 415, 431,
 // 501, 505), or 1 with `out` complete and `used` the bytes it took.
 int parse_request(std::string_view in, const Limits& limits, Request& out, size_t& used);
+// The same bytes arriving in pieces, fed as the loop feeds them (fuzz_http checks both agree).
+int parse_request_in_pieces(const std::vector<std::string_view>& pieces, const Limits& limits, Request& out, size_t& used);
 
 }  // namespace torchspeed::serve::http

@@ -1,0 +1,68 @@
+// libFuzzer target: the OpenAI request parser of serve/openai_protocol.h, which reads every
+// request body a client sends. The first byte picks the route (completions or chat) and the
+// limits; the rest is the body: parse_body (depth-limited JSON), then parse_completion or
+// parse_chat against a byte-level model of 256 tokens. An accepted request must keep its limits
+// (choices, context, token budget) and its answer must be buildable: the whole response and a
+// stream chunk with logprobs for every choice. A refusal is an ApiError with a 4xx status;
+// anything else (a 5xx, another exception, a sanitizer report) is a bug.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "fuzz_util.h"
+#include "torchspeed/serve/openai_protocol.h"
+
+namespace sv = torchspeed::serve;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const uint8_t sel = data[0];
+  sv::ProtocolLimits l;
+  l.model_name = "m";
+  l.context_length = 64 + (sel >> 4) * 8;
+  l.vocab = 256;
+  l.max_n = 1 + (sel >> 1) % 8;
+  l.max_tokens = (sel & 4) ? 32 : 0;
+  l.max_request_tokens = (sel & 8) ? 512 : 0;
+  const bool chat = sel & 1;
+  const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
+  try {
+    const nlohmann::json j = sv::parse_body(body);
+    const sv::CompletionRequest r = chat ? sv::parse_chat(j, l) : sv::parse_completion(j, l);
+    const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.n;
+    if (r.prompts.empty() || total > l.max_n) fuzz::bug("fuzz_openai", "accepted a request with " + std::to_string(total) + " choices");
+    int64_t tokens = 0;
+    for (const auto& p : r.prompts) {
+      if (p.empty() || static_cast<int64_t>(p.size()) + r.params.max_tokens > l.context_length)
+        fuzz::bug("fuzz_openai", "accepted a prompt past the context");
+      for (int64_t t : p) {
+        if (t < 0 || t >= l.vocab) fuzz::bug("fuzz_openai", "accepted a token outside the vocabulary");
+      }
+      tokens += (static_cast<int64_t>(p.size()) + r.params.max_tokens) * r.n;
+    }
+    if (l.max_request_tokens > 0 && tokens > l.max_request_tokens) fuzz::bug("fuzz_openai", "accepted a request past the token budget");
+    // Answers: one made-up token with logprobs per choice.
+    torchspeed::inference::GeneratedToken g;
+    g.id = 'a';
+    g.logprobs.logprob = -0.5;
+    g.logprobs.top = {{'a', -0.5}, {0xff, -2.0}};
+    std::vector<sv::ChoiceResult> choices(static_cast<size_t>(total));
+    for (auto& c : choices) {
+      c.text = "a";
+      c.tokens = {g};
+      c.finish_reason = "length";
+      c.completion_tokens = 1;
+      if (r.params.prompt_logprobs) c.prompt_lps.assign(r.prompts[0].size() - 1, g);
+    }
+    (void)sv::completion_response("id", 0, l, r, choices).dump();
+    int64_t off = 0;
+    for (int64_t i = 0; i < total; ++i) (void)sv::stream_chunk("id", 0, l, r, i, "a", {g}, "", i == 0, &off).dump();
+    (void)sv::usage_chunk("id", 0, l, r, 1, 1).dump();
+  } catch (const sv::ApiError& e) {
+    if (e.status < 400 || e.status >= 500) fuzz::bug("fuzz_openai", "status " + std::to_string(e.status) + ": " + e.what());
+    (void)e.to_json().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  } catch (const std::exception& e) {
+    fuzz::bug("fuzz_openai", std::string("an exception other than ApiError escaped: ") + e.what());
+  }
+  return 0;
+}
