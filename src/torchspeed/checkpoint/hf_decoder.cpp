@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <regex>
+#include <vector>
 
 #include "torchspeed/checkpoint/hf_gpt2.h"
 #include "torchspeed/config/config.h"
@@ -277,39 +278,50 @@ Model load_decoder(const std::string& dir) {
     }
   }
   out.source = files.size() == 1 ? files[0] : dir;
-  auto take = [&](const std::string& name) {
+  // Every tensor is checked against the shape config.json implies before it is used: a
+  // mismatch is the file's error, not a LibTorch one later (or a kernel reading past a buffer).
+  const int64_t vocab = m.at("vocab").get<int64_t>(), d = m.at("d_model").get<int64_t>(),
+                heads = m.at("n_head").get<int64_t>(), kv = m.value("n_kv_head", heads),
+                hd = m.value("head_dim", heads > 0 ? d / heads : int64_t{0}), ff = m.at("d_ff").get<int64_t>();
+  auto take = [&](const std::string& name, std::vector<int64_t> shape) {
     const auto it = hf.find(name);
     TS_CHECK(it != hf.end(), out.source, ": tensor \"", name, "\" is missing (a ", m.at("family").get<std::string>(),
              " model of ", n_layer, " layers has it)");
+    TS_CHECK(it->second.sizes().vec() == shape, file_of[name], ": tensor \"", name, "\" has shape ", it->second.sizes(),
+             "; config.json (", cfg_path, ") implies ", at::IntArrayRef(shape));
     at::Tensor t = it->second.to(at::kFloat).contiguous();
     hf.erase(it);
     return t;
   };
   auto add = [&](const std::string& ours, const at::Tensor& t) { out.params.emplace_back(ours, t); };
-  add("embed.tok.weight", take("model.embed_tokens.weight"));
+  add("embed.tok.weight", take("model.embed_tokens.weight", {vocab, d}));
   const bool qkv_bias = m.at("qkv_bias").get<bool>(), out_bias = m.at("attn_out_bias").get<bool>(),
              mlp_bias = m.at("mlp_bias").get<bool>(), qk_norm = m.value("qk_norm", false);
   for (int64_t i = 0; i < n_layer; ++i) {
     const std::string p = layer_prefix(i), b = concat("block", i, ".");
     const std::string a = p + "self_attn.", f = p + "mlp.";
-    add(b + "ln1.weight", take(p + "input_layernorm.weight"));
-    add(b + "qkv.weight", at::cat({take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")}));
-    if (qkv_bias) add(b + "qkv.bias", at::cat({take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")}));
-    if (qk_norm) {
-      add(b + "q_norm.weight", take(a + "q_norm.weight"));
-      add(b + "k_norm.weight", take(a + "k_norm.weight"));
+    add(b + "ln1.weight", take(p + "input_layernorm.weight", {d}));
+    add(b + "qkv.weight", at::cat({take(a + "q_proj.weight", {heads * hd, d}), take(a + "k_proj.weight", {kv * hd, d}),
+                                   take(a + "v_proj.weight", {kv * hd, d})}));
+    if (qkv_bias) {
+      add(b + "qkv.bias", at::cat({take(a + "q_proj.bias", {heads * hd}), take(a + "k_proj.bias", {kv * hd}),
+                                   take(a + "v_proj.bias", {kv * hd})}));
     }
-    add(b + "attn_proj.weight", take(a + "o_proj.weight"));
-    if (out_bias) add(b + "attn_proj.bias", take(a + "o_proj.bias"));
-    add(b + "ln2.weight", take(p + "post_attention_layernorm.weight"));
-    add(b + "fc.weight", at::cat({take(f + "gate_proj.weight"), take(f + "up_proj.weight")}));
-    if (mlp_bias) add(b + "fc.bias", at::cat({take(f + "gate_proj.bias"), take(f + "up_proj.bias")}));
-    add(b + "mlp_proj.weight", take(f + "down_proj.weight"));
-    if (mlp_bias) add(b + "mlp_proj.bias", take(f + "down_proj.bias"));
+    if (qk_norm) {
+      add(b + "q_norm.weight", take(a + "q_norm.weight", {hd}));
+      add(b + "k_norm.weight", take(a + "k_norm.weight", {hd}));
+    }
+    add(b + "attn_proj.weight", take(a + "o_proj.weight", {d, heads * hd}));
+    if (out_bias) add(b + "attn_proj.bias", take(a + "o_proj.bias", {d}));
+    add(b + "ln2.weight", take(p + "post_attention_layernorm.weight", {d}));
+    add(b + "fc.weight", at::cat({take(f + "gate_proj.weight", {ff, d}), take(f + "up_proj.weight", {ff, d})}));
+    if (mlp_bias) add(b + "fc.bias", at::cat({take(f + "gate_proj.bias", {ff}), take(f + "up_proj.bias", {ff})}));
+    add(b + "mlp_proj.weight", take(f + "down_proj.weight", {d, ff}));
+    if (mlp_bias) add(b + "mlp_proj.bias", take(f + "down_proj.bias", {d}));
   }
-  add("head.ln_f.weight", take("model.norm.weight"));
+  add("head.ln_f.weight", take("model.norm.weight", {d}));
   if (!tied) {
-    add("head.weight", take("lm_head.weight"));
+    add("head.weight", take("lm_head.weight", {vocab, d}));
   } else {
     hf.erase("lm_head.weight");  // a tied head saved anyway: the embedding is the head
   }

@@ -1,0 +1,82 @@
+// libFuzzer target: the Hugging Face model folder reader (checkpoint/hf_decoder.cpp: Llama,
+// Mistral, Qwen2/3 and SmolLM's config.json, the sharded index). The first byte picks the
+// folder: one with model.safetensors, or one with model.safetensors.index.json naming a shard;
+// the rest is config.json, then (after a NUL byte) the index. The tensors are those of a tiny
+// Llama (vocabulary 32, width 8, one layer, 2 heads, 1 key/value head); the fuzzer changes the
+// config around them. A config that disagrees with the tensors must be refused with a
+// torchspeed::Error naming the problem, never reach a LibTorch error or read out of bounds; a
+// model that loads must have the shapes its config declares.
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "fuzz_util.h"
+#include "torchspeed/checkpoint/hf_decoder.h"
+#include "torchspeed/checkpoint/safetensors.h"
+
+namespace torchspeed::comm {
+std::chrono::milliseconds default_timeout() { return std::chrono::minutes(10); }
+}  // namespace torchspeed::comm
+
+namespace {
+namespace ck = torchspeed::checkpoint;
+constexpr const char* kTarget = "fuzz_hf";
+
+ck::NamedTensors tiny_llama() {
+  auto t = [](std::initializer_list<int64_t> shape) { return at::randn(shape); };
+  const std::string l = "model.layers.0.";
+  return {{"model.embed_tokens.weight", t({32, 8})},
+          {l + "input_layernorm.weight", t({8})},
+          {l + "self_attn.q_proj.weight", t({8, 8})},
+          {l + "self_attn.k_proj.weight", t({4, 8})},
+          {l + "self_attn.v_proj.weight", t({4, 8})},
+          {l + "self_attn.o_proj.weight", t({8, 8})},
+          {l + "post_attention_layernorm.weight", t({8})},
+          {l + "mlp.gate_proj.weight", t({16, 8})},
+          {l + "mlp.up_proj.weight", t({16, 8})},
+          {l + "mlp.down_proj.weight", t({8, 16})},
+          {"model.norm.weight", t({8})}};
+}
+
+struct Folders {
+  std::string single, sharded;
+  Folders() {
+    single = fuzz::scratch_dir() + "/single";
+    sharded = fuzz::scratch_dir() + "/sharded";
+    std::filesystem::create_directories(single);
+    std::filesystem::create_directories(sharded);
+    const auto tensors = tiny_llama();
+    ck::save_safetensors(single + "/model.safetensors", tensors);
+    ck::save_safetensors(sharded + "/shard-1.safetensors", tensors);
+  }
+};
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const Folders folders;
+  if (size < 1) return 0;
+  const bool sharded = data[0] & 1;
+  const std::string rest(reinterpret_cast<const char*>(data) + 1, size - 1);
+  const size_t nul = rest.find('\0');
+  const std::string dir = sharded ? folders.sharded : folders.single;
+  const std::string config = rest.substr(0, nul);
+  fuzz::write_file(dir + "/config.json", reinterpret_cast<const uint8_t*>(config.data()), config.size());
+  if (sharded) {
+    const std::string index = nul == std::string::npos ? std::string("{\"weight_map\": {}}") : rest.substr(nul + 1);
+    fuzz::write_file(dir + "/model.safetensors.index.json", reinterpret_cast<const uint8_t*>(index.data()), index.size());
+  }
+  ck::Model m;
+  if (!fuzz::run_expecting_errors(kTarget, [&] { m = ck::hf::load_decoder(dir); })) return 0;
+  const auto& cfg = m.config.at("model");
+  const int64_t vocab = cfg.at("vocab").get<int64_t>(), d = cfg.at("d_model").get<int64_t>();
+  for (const auto& [name, t] : m.params) {
+    if (name == "embed.tok.weight" && (t.dim() != 2 || t.size(0) != vocab || t.size(1) != d))
+      fuzz::bug(kTarget, "the embedding's shape disagrees with the accepted config");
+    if (name.find("ln") != std::string::npos && name.find(".weight") != std::string::npos && (t.dim() != 1 || t.size(0) != d))
+      fuzz::bug(kTarget, "norm " + name + " does not have the config's width");
+  }
+  return 0;
+}
