@@ -93,6 +93,16 @@ TEST(OpenAIProtocol, RequestTokenBudgetIsCheckedBeforeWork) {
   EXPECT_NO_THROW(parse_completion(b, l));
 }
 
+TEST(OpenAIProtocol, ATextThatCannotFitIsRefusedBeforeTokenizing) {
+  ProtocolLimits l = limits();  // bytes: one byte per token at most
+  ApiError e = error_of([&] { parse_completion({{"model", "m"}, {"prompt", std::string(1 << 20, 'a')}}, l); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_NE(std::string(e.what()).find("1048576 bytes are at least 1048576 tokens"), std::string::npos) << e.what();
+  e = error_of([&] { parse_chat({{"model", "m"}, {"messages", json::array({{{"role", "user"}, {"content", std::string(1000, 'b')}}})}}, l); });
+  EXPECT_EQ(e.code, "context_length_exceeded");
+}
+
 TEST(OpenAIProtocol, StreamedTextOffsetsContinueAcrossChunks) {
   ProtocolLimits l = limits();
   CompletionRequest r = parse_completion({{"model", "m"}, {"prompt", "ab"}, {"logprobs", 0}, {"echo", true}, {"stream", true}}, l);

@@ -171,6 +171,19 @@ std::string bytes_of_token(const ProtocolLimits& l, int64_t id) {
   const auto& t = tokenizer_of(l);
   return id < t.vocab_size() ? t.token_bytes(id) : std::string();
 }
+// A text whose bytes could not fit the context even if every token were the longest one is
+// refused before it is tokenized (encoding a megabyte costs more than refusing it).
+void check_text_fits(const ProtocolLimits& l, const std::string& s, const std::string& field, int64_t max_tokens) {
+  const int64_t longest = l.tokenizer ? l.max_token_bytes : 1;
+  if (longest <= 0) return;
+  const int64_t min_tokens = (static_cast<int64_t>(s.size()) + longest - 1) / longest;
+  if (min_tokens + max_tokens > l.context_length) {
+    throw ApiError(400, "this model's maximum context length is " + std::to_string(l.context_length) + " tokens; the prompt's " +
+                            std::to_string(s.size()) + " bytes are at least " + std::to_string(min_tokens) +
+                            " tokens and max_tokens is " + std::to_string(max_tokens),
+                   field, "invalid_request_error", "context_length_exceeded");
+  }
+}
 std::vector<int64_t> encode(const ProtocolLimits& l, const std::string& s) { return tokenizer_of(l).encode(s); }
 // A completion's prompt text as Hugging Face encodes it with special tokens (vLLM does): the
 // tokenizer's BOS first where it adds one. (A chat prompt's template writes its own BOS.)
@@ -231,13 +244,17 @@ CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
   if (!present(b, "prompt")) bad("prompt", "required");
   const json& p = b.at("prompt");
   if (p.is_string()) {
+    check_text_fits(l, p.get<std::string>(), "prompt", r.params.max_tokens);
     add_prompt(r, encode_prompt(l, p.get<std::string>()), "prompt", l);
   } else if (p.is_array() && !p.empty() && p[0].is_number()) {
     add_prompt(r, token_list(p, "prompt", l.vocab), "prompt", l);
   } else if (p.is_array() && !p.empty()) {
     for (size_t i = 0; i < p.size(); ++i) {
       const std::string f = "prompt[" + std::to_string(i) + "]";
-      if (p[i].is_string()) add_prompt(r, encode_prompt(l, p[i].get<std::string>()), f, l);
+      if (p[i].is_string()) {
+        check_text_fits(l, p[i].get<std::string>(), f, r.params.max_tokens);
+        add_prompt(r, encode_prompt(l, p[i].get<std::string>()), f, l);
+      }
       else if (p[i].is_array()) add_prompt(r, token_list(p[i], f, l.vocab), f, l);
       else bad(f, "expected a string or a list of token ids");
     }
@@ -326,10 +343,13 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
       bad("messages", std::string("the model's chat template refused them: ") + e.what());
     }
     r.params.stop_token_ids = l.chat->stop_ids;
+    check_text_fits(l, text, "messages", r.params.max_tokens);
     add_prompt(r, encode(l, text), "messages", l);
   } else {
     r.params.stop.push_back(kChatStop);
-    add_prompt(r, encode(l, chat_prompt(b.at("messages"))), "messages", l);
+    const std::string text = chat_prompt(b.at("messages"));
+    check_text_fits(l, text, "messages", r.params.max_tokens);
+    add_prompt(r, encode(l, text), "messages", l);
   }
   check_choices(r, l);
   return r;

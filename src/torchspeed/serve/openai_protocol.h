@@ -35,6 +35,7 @@ struct ProtocolLimits {
   int64_t max_n = 16;          // choices per request (prompts x n)
   int64_t max_request_tokens = 0;  // sum over choices of prompt + max_tokens; 0: no limit
   data::TokenizerPtr tokenizer;  // text <-> token ids; null: bytes
+  int64_t max_token_bytes = 0;   // the tokenizer's longest token in bytes (0: unknown, no pre-check)
   // The model's own chat template and end-of-turn tokens; null or without a template: ours.
   data::ChatFormatPtr chat;
 };

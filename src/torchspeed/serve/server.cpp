@@ -109,6 +109,7 @@ struct Server::Impl {
   std::unique_ptr<http::Server> http;
   std::atomic<inference::Engine*> engine{nullptr};
   data::ChatFormatPtr chat;  // set before the engine is published
+  int64_t max_token_bytes = 0;  // of the engine's tokenizer, found once in set_engine
   std::atomic<bool> draining{false};
   std::atomic<uint64_t> next_id{1}, rejected{0};
   int bound_port = 0;
@@ -124,6 +125,7 @@ struct Server::Impl {
     l.context_length = e.context_length();
     l.vocab = e.model().config().vocab;
     l.tokenizer = e.tokenizer();
+    l.max_token_bytes = max_token_bytes;
     l.chat = chat;
     l.max_tokens = o.max_tokens();
     // A request's choices enter the queue together: more than it holds could never be served.
@@ -398,7 +400,21 @@ void Server::start() {
 
 int Server::port() const { return impl_->bound_port; }
 
-void Server::set_engine(inference::Engine* engine) { impl_->engine = engine; }
+void Server::set_engine(inference::Engine* engine) {
+  if (engine && engine->tokenizer()) {
+    int64_t longest = 1;
+    const auto& t = *engine->tokenizer();
+    for (int64_t id = 0; id < t.vocab_size(); ++id) {
+      try {
+        longest = std::max<int64_t>(longest, static_cast<int64_t>(t.token_bytes(id).size()));
+      } catch (const std::exception&) {
+        // an id that is a gap in the vocabulary has no bytes
+      }
+    }
+    impl_->max_token_bytes = longest;
+  }
+  impl_->engine = engine;
+}
 
 void Server::set_chat_format(data::ChatFormatPtr chat) { impl_->chat = std::move(chat); }
 
