@@ -769,3 +769,67 @@ TEST(Engine, DrainDeadlineAndThrowingReceivers) {
     EXPECT_EQ(e.stats().requests_finished, 2u);
   }
 }
+
+// A checkpoint whose tensors disagree with its config (issue 35: the serving kernels index by the
+// config's widths and read past the buffers) is refused before anything is built, with the
+// tensor, its shape and the expected one named (Note [Serving tensor shapes]).
+TEST(InferenceModel, RefusesTensorsWhoseShapesDisagreeWithTheConfig) {
+  auto with = [](const Fixture& f, const std::string& name, const at::Tensor& t) {
+    checkpoint::Model m = f.model;
+    bool found = false;
+    for (auto& [n, p] : m.params) {
+      if (n == name) p = t, found = true;
+    }
+    EXPECT_TRUE(found) << name;
+    return m;
+  };
+  for (const auto& [family, cfg] : family_cfgs()) {
+    Fixture f(cfg);
+    const int64_t d = cfg.d_model, qkv = cfg.q_width() + 2 * cfg.kv_width();
+    // One row short of the fused q/k/v.
+    auto m = with(f, "block1.qkv.weight", at::zeros({qkv - 1, d}));
+    ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); },
+                          "test model: tensor \"block1.qkv.weight\" has shape [" + std::to_string(qkv - 1) + ", " +
+                              std::to_string(d) + "], but the model's config needs [" + std::to_string(qkv) + ", " +
+                              std::to_string(d) + "]");
+    // A norm's weight too short, an MLP weight transposed, the embedding's vocabulary smaller.
+    m = with(f, "block0.ln2.weight", at::ones({d / 2}));
+    ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kBF16); },
+                          "tensor \"block0.ln2.weight\" has shape [" + std::to_string(d / 2) + "], but the model's config needs [" +
+                              std::to_string(d) + "]");
+    m = with(f, "block0.mlp_proj.weight", at::zeros({cfg.ff(), d}));
+    ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kInt8); },
+                          "tensor \"block0.mlp_proj.weight\" has shape [" + std::to_string(cfg.ff()) + ", " + std::to_string(d) + "]");
+    m = with(f, "embed.tok.weight", at::zeros({cfg.vocab - 1, d}));
+    ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); }, "tensor \"embed.tok.weight\" has shape [255, ");
+    // Integer data is no weight, whatever its shape.
+    m = with(f, "block1.attn_proj.weight", at::zeros({d, cfg.q_width()}, at::kInt));
+    ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); },
+                          "tensor \"block1.attn_proj.weight\" has dtype Int; a model's weights are floating point");
+    if (cfg.qkv_bias) {
+      m = with(f, "block0.qkv.bias", at::zeros({qkv + 5}));
+      ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); }, "tensor \"block0.qkv.bias\" has shape [");
+    }
+    if (cfg.qk_norm) {
+      m = with(f, "block1.k_norm.weight", at::ones({cfg.hd() / 2}));
+      ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); }, "tensor \"block1.k_norm.weight\" has shape [16]");
+    }
+    if (!cfg.tie_embeddings) {
+      m = with(f, "head.weight", at::zeros({cfg.vocab, d + 1}));
+      ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); }, "tensor \"head.weight\" has shape [256, 65]");
+    }
+    // A missing tensor and a repeated one are named too; the model itself still builds.
+    m = f.model;
+    m.params.erase(m.params.begin() + 1);
+    ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); }, "the model has no tensor \"" + f.model.params[1].first);
+    m = f.model;
+    m.params.push_back(m.params.front());
+    ts_test::expect_error([&] { InferenceModel s(m, WeightFormat::kFP32); }, "tensor \"embed.tok.weight\" is listed twice");
+    EXPECT_NO_THROW(InferenceModel(f.model, WeightFormat::kFP32)) << family;
+  }
+  // A serving linear checks its own bias against its weight (the kernels read bias[out]).
+  ts_test::expect_error([] { ServingLinear l(at::zeros({8, 4}), at::zeros({7}), WeightFormat::kFP32); },
+                        "a linear bias must be floating point [8] for a weight [8, 4], got [7]");
+  ts_test::expect_error([] { ServingLinear l(at::zeros({8}), at::Tensor(), WeightFormat::kFP32); },
+                        "a linear weight must be 2-D, got [8]");
+}

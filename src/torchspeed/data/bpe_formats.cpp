@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <sstream>
 #include <tuple>
+#include <unordered_set>
 
 #include "torchspeed/checkpoint/gguf.h"
 #include "torchspeed/data/bpe_internal.h"
@@ -15,6 +16,16 @@
 namespace torchspeed::data {
 
 using namespace bpe;
+
+namespace {
+// A JSON integer token id as int64. nlohmann would wrap an unsigned one past INT64_MAX to a
+// negative number, so it is refused here as the file wrote it.
+int64_t json_id(const nlohmann::json& v, const std::string& what) {
+  TS_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX), what, " has id ", v.dump(),
+           ", past any vocabulary");
+  return v.get<int64_t>();
+}
+}  // namespace
 
 nlohmann::json BpeTokenizer::to_tokenizer_json() const {
   using json = nlohmann::json;
@@ -43,7 +54,12 @@ nlohmann::json BpeTokenizer::to_tokenizer_json() const {
   }
   json vocab = json::object();
   for (size_t id = 0; id < id_to_token_.size(); ++id) {
-    if (!id_to_token_[id].empty()) vocab[id_to_token_[id]] = static_cast<int64_t>(id);
+    const std::string& tok = id_to_token_[id];
+    if (tok.empty()) continue;
+    // A GGUF string listed twice encodes as its first id (take_gguf_specials): the later ids
+    // stay out of a vocabulary object, which holds one id per string.
+    if (const auto it = vocab_.find(tok); it != vocab_.end() && it->second != static_cast<int64_t>(id)) continue;
+    vocab[tok] = static_cast<int64_t>(id);
   }
   json added = json::array();
   std::vector<std::pair<std::string, int64_t>> specials(added_.begin(), added_.end());
@@ -127,7 +143,11 @@ BpeTokenizer::GgufVocab BpeTokenizer::gguf_vocab(int64_t n_vocab) const {
     v.add_space_prefix = prepend_ || metaspace_ != Metaspace::kNone;
   }
   std::vector<bool> special(static_cast<size_t>(n_vocab), false);
-  for (const auto& a : added_) special[static_cast<size_t>(a.second)] = true;
+  for (const auto& a : added_) {
+    // Every reader keeps added ids inside the id table, which n_vocab covers.
+    TS_INTERNAL_ASSERT(a.second >= 0 && a.second < n_vocab, source_, ": added token id ", a.second, " outside ", n_vocab);
+    special[static_cast<size_t>(a.second)] = true;
+  }
   // SentencePiece scores: a token made by merge rank r scores -r (earlier merges first); tokens no
   // merge makes score below every merge.
   std::vector<float> score;
@@ -163,7 +183,7 @@ BpeTokenizer BpeTokenizer::from_files(const std::string& vocab_json, const std::
   std::unordered_map<std::string, int64_t> vocab;
   for (const auto& [tok, id] : v.items()) {
     TS_CHECK(id.is_number_integer(), vocab_json, ": token '", tok, "' has id ", id.dump(), ", not an integer");
-    vocab[tok] = id.get<int64_t>();
+    vocab[tok] = json_id(id, concat(vocab_json, ": token '", tok, "'"));
   }
   std::vector<std::pair<std::string, std::string>> merges;
   std::istringstream in(read_file(merges_txt));
@@ -279,7 +299,7 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) try {
   std::unordered_map<std::string, int64_t> vocab;
   for (const auto& [tok, id] : m["vocab"].items()) {
     TS_CHECK(id.is_number_integer(), path, ": model.vocab['", tok, "'] is not an integer");
-    vocab[tok] = id.get<int64_t>();
+    vocab[tok] = json_id(id, concat(path, ": model.vocab['", tok, "']"));
   }
   std::vector<std::pair<std::string, std::string>> merges;
   if (m.contains("merges")) {
@@ -326,13 +346,21 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) try {
     if (it != t.vocab_.end()) t.unk_ = it->second;
   }
   if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
+    // Added token ids index the id table: each must lie near the vocabulary (max_token_id), and
+    // each content and each id may stand for one token only. A repeat of the same (content, id)
+    // is skipped; a content listed with two ids, or an id with two contents (among the added
+    // tokens or against the model's vocabulary), is refused: which one `tokenizers` would keep
+    // depends on its version, and encode and decode would disagree.
+    const int64_t bound = max_token_id(t.vocab_size() + static_cast<int64_t>(j["added_tokens"].size()));
+    std::unordered_set<std::string> seen;
     for (size_t i = 0; i < j["added_tokens"].size(); ++i) {
       const auto& a = j["added_tokens"][i];
       TS_CHECK(a.is_object() && a.contains("id") && a["id"].is_number_integer() && a.contains("content") &&
                    a["content"].is_string(),
                path, ": added_tokens[", i, "] needs an integer id and a string content");
       const std::string content = a["content"].get<std::string>();
-      const int64_t id = a["id"].get<int64_t>();
+      const int64_t id = json_id(a["id"], concat(path, ": added_tokens[", i, "] (\"", content, "\")"));
+      TS_CHECK(!content.empty(), path, ": added_tokens[", i, "] (id ", id, ") has an empty content");
       // Added tokens match literally, before normalization; the flags that say otherwise are
       // refused by name (a normalizer-free tokenizer matches normalized tokens alike).
       for (const char* k : {"single_word", "lstrip", "rstrip"}) {
@@ -340,18 +368,30 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) try {
       }
       TS_CHECK(!a.value("normalized", false) || (!t.nfc_ && !t.prepend_ && !t.replace_space_), path, ": added_tokens[", i,
                "] (\"", content, "\") has normalized true with a normalizer, which is not supported");
-      TS_CHECK(id >= 0 && id <= max_token_id(t.vocab_size() + static_cast<int64_t>(j["added_tokens"].size())), path,
-               ": added_tokens[", i, "] has id ", id, ", far past the ", t.vocab_size(), " tokens of the vocabulary");
+      TS_CHECK(id >= 0 && id <= bound, path, ": added_tokens[", i, "] (\"", content, "\") has id ", id, ", outside [0, ",
+               bound, "] (", t.vocab_size(), " ids in the vocabulary)");
+      if (const auto it = t.vocab_.find(content); it != t.vocab_.end()) {
+        TS_CHECK(it->second == id, path, ": added_tokens[", i, "] (\"", content, "\") has id ", id, ", but \"", content,
+                 "\" is token ", it->second, seen.count(content) ? " of an earlier added token" : " of the vocabulary");
+      }
+      if (id < t.vocab_size()) {
+        const std::string& other = t.id_to_token_[static_cast<size_t>(id)];
+        TS_CHECK(other.empty() || other == content, path, ": added_tokens[", i, "] (\"", content, "\") has id ", id,
+                 ", which is already \"", other, "\"");
+      }
+      if (!seen.insert(content).second) continue;  // the same token again
       if (id >= t.vocab_size()) t.id_to_token_.resize(static_cast<size_t>(id + 1));
-      if (t.id_to_token_[static_cast<size_t>(id)].empty()) t.id_to_token_[static_cast<size_t>(id)] = content;
+      t.id_to_token_[static_cast<size_t>(id)] = content;
       t.vocab_[content] = id;
-      bool known = false;
-      for (const auto& [c, _] : t.added_) known = known || c == content;
-      if (!known) t.added_.emplace_back(content, id);
+      t.added_.emplace_back(content, id);
       if (content == "<|endoftext|>") t.eos_ = id;
     }
   }
-  std::stable_sort(t.added_.begin(), t.added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  // GPT-2's <|endoftext|> from the vocabulary may be among them: one entry per content.
+  std::unordered_set<std::string> kept;
+  t.added_.erase(std::remove_if(t.added_.begin(), t.added_.end(), [&](const auto& a) { return !kept.insert(a.first).second; }),
+                 t.added_.end());
+  t.index_added();
   // A TemplateProcessing post-processor (alone or in a Sequence) whose single-sequence template
   // starts with a special token: the BOS a prompt starts with.
   if (j.contains("post_processor") && j["post_processor"].is_object()) {
@@ -433,15 +473,26 @@ bool gguf_flag(const checkpoint::gguf::File& f, const std::string& path, const c
 }
 }  // namespace
 
-void BpeTokenizer::take_gguf_specials(const checkpoint::gguf::File& f, const std::string& path,
+void BpeTokenizer::take_gguf_specials(const checkpoint::gguf::File& f, const std::string& path, const nlohmann::json& tokens,
                                       const std::vector<std::pair<std::string, int64_t>>& special, bool add_bos_default) {
-  unk_ = gguf_token_id(f, path, "tokenizer.ggml.unknown_token_id", vocab_size());
-  for (const auto& [tok, id] : special) {
-    bool known = false;
-    for (const auto& a : added_) known = known || a.first == tok;
-    if (!known) added_.emplace_back(tok, id);
+  // GGUF ids are the indexes of tokenizer.ggml.tokens. A string listed twice maps to its first id
+  // (gguf_tokens), which left the later index out of the id table, and the table one short where
+  // the last token was a repeat: every index gets its string back, so the table covers every id
+  // the metadata or the model's embedding rows may name.
+  if (id_to_token_.size() < tokens.size()) id_to_token_.resize(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (id_to_token_[i].empty()) id_to_token_[i] = tokens[i].get_ref<const std::string&>();
   }
-  std::stable_sort(added_.begin(), added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  unk_ = gguf_token_id(f, path, "tokenizer.ggml.unknown_token_id", vocab_size());
+  std::unordered_set<std::string> known;
+  for (const auto& a : added_) known.insert(a.first);
+  for (const auto& [tok, id] : special) {
+    // A control token whose string an earlier index already holds is no added token: the string
+    // encodes as that first id, as everywhere else.
+    if (vocab_.at(tok) != id) continue;
+    if (known.insert(tok).second) added_.emplace_back(tok, id);
+  }
+  index_added();
   if (const int64_t eos = gguf_token_id(f, path, "tokenizer.ggml.eos_token_id", vocab_size()); eos >= 0) eos_ = eos;
   // tokenizer.ggml.add_bos_token, llama.cpp's default where it is missing (SentencePiece
   // vocabularies add BOS, byte-level ones do not).
@@ -496,7 +547,7 @@ BpeTokenizer BpeTokenizer::from_gguf_spm(const checkpoint::gguf::File& f, const 
   t.fuse_unk_ = true;
   t.replace_space_ = true;
   t.prepend_ = gguf_flag(f, path, "tokenizer.ggml.add_space_prefix", true);  // llama.cpp's default: true
-  t.take_gguf_specials(f, path, g.special, /*add_bos_default=*/true);
+  t.take_gguf_specials(f, path, tokens, g.special, /*add_bos_default=*/true);
   return t;
 }
 
@@ -535,7 +586,7 @@ BpeTokenizer BpeTokenizer::from_gguf(const std::string& path) {
     t.pre_ = {regex_step(kQwen2Pattern, false, path)};
     t.nfc_ = true;  // as Qwen2's tokenizer.json
   }
-  t.take_gguf_specials(f, path, g.special, /*add_bos_default=*/false);
+  t.take_gguf_specials(f, path, *g.tokens, g.special, /*add_bos_default=*/false);
   return t;
 }
 

@@ -3,6 +3,7 @@
 // tokenizer.json, vocab/merges and GGUF in and out). Not part of the public API.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -55,8 +56,10 @@ std::shared_ptr<const BpeTokenizer::PreStep> step_of(BpeTokenizer::PreStep::Kind
 std::shared_ptr<const BpeTokenizer::PreStep> regex_step(const std::string& pattern, bool removed, const std::string& source);
 
 // The largest token id a vocabulary of `n` entries may use (ids are dense in real files; some
-// leave a few holes): twice its size plus 1024.
-inline int64_t max_token_id(int64_t n) { return 2 * n + 1024; }
+// leave a few holes): twice its size plus 1024, and never past a model's largest vocabulary
+// (models::GPTConfig's vocab <= 2^24). Ids index the id table, which a hostile file's id 2^31
+// would otherwise size at 64 GB.
+inline int64_t max_token_id(int64_t n) { return std::min<int64_t>(2 * n + 1024, (int64_t{1} << 24) - 1); }
 
 inline const std::string kMeta = "\xE2\x96\x81";  // U+2581, SentencePiece's space
 // SentencePiece's U+2581 back to spaces (Note [SentencePiece-style BPE]).

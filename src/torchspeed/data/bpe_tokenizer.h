@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <bitset>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -78,8 +79,10 @@ class BpeTokenizer : public Tokenizer {
   BpeTokenizer(std::unordered_map<std::string, int64_t> vocab, std::vector<std::pair<std::string, std::string>> merges,
                const std::string& source, bool spm = false, std::vector<int> ranks = {});
   static BpeTokenizer from_gguf_spm(const checkpoint::gguf::File& f, const std::string& path);
-  // A GGUF vocabulary's unknown, EOS and BOS ids and its control/user-defined tokens.
-  void take_gguf_specials(const checkpoint::gguf::File& f, const std::string& path,
+  // A GGUF vocabulary's unknown, EOS and BOS ids and its control/user-defined tokens; every
+  // index of `tokens` an id (a string listed twice keeps its first id for encoding, and each
+  // index its string for decoding).
+  void take_gguf_specials(const checkpoint::gguf::File& f, const std::string& path, const nlohmann::json& tokens,
                           const std::vector<std::pair<std::string, int64_t>>& special, bool add_bos_default);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
   void encode_plain(const std::string& text, bool at_start, std::vector<int64_t>& out) const;
@@ -96,7 +99,18 @@ class BpeTokenizer : public Tokenizer {
   std::string byte_to_unicode_[256];            // UTF-8 of each byte's character
   std::unordered_map<std::string, uint8_t> unicode_to_byte_;
   std::string source_;
-  std::vector<std::pair<std::string, int64_t>> added_;  // longest first
+  std::vector<std::pair<std::string, int64_t>> added_;  // longest first (index_added)
+  // added_ as a byte trie, so that one scan of the text finds every match (Note [Added tokens]).
+  // Rebuilt by index_added() whenever added_ changes; encode refuses a stale index.
+  std::unordered_map<uint64_t, int32_t> added_edges_;  // (node << 8) | byte -> child; node 0 is the root
+  std::vector<int32_t> added_end_;                     // node -> index in added_ of the token ending there, or -1
+  std::bitset<256> added_first_;                       // the bytes an added token starts with
+  std::unordered_map<int64_t, size_t> added_by_id_;    // id -> index in added_ (the first, longest first)
+  size_t added_indexed_ = 0;                           // added_.size() when the trie was built
+  void index_added();
+  // The earliest added token at or after `from` (the longest of those starting there): its
+  // position and index in added_; npos for both where there is none.
+  std::pair<size_t, size_t> find_added(const std::string& text, size_t from) const;
   int64_t eos_ = -1;
   int64_t add_bos_ = -1;
   int64_t unk_ = -1;  // what a byte the vocabulary lacks encodes as (-1: an error)

@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
 // GCC 12 warns about the "undefined" vectors inside its own AVX-512 headers (a false positive).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -56,8 +57,17 @@ const char* weight_format_name(WeightFormat f) {
 ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot,
                              bool amx)
     : format_(format), bf16_dot_(bf16_dot && format != WeightFormat::kFP32 && have_bf16_dot()),
-      amx_(bf16_dot_ && amx && have_amx()), in_(weight.size(1)), out_(weight.size(0)) {
-  TS_CHECK(weight.dim() == 2, "a linear weight must be 2-D, got ", weight.sizes());
+      amx_(bf16_dot_ && amx && have_amx()) {
+  // The kernels take [out, in] and the bias's length from the weight: a bias of another length
+  // would be read past its end (OutputStage).
+  TS_CHECK(weight.defined() && weight.dim() == 2, "a linear weight must be 2-D, got ",
+           weight.defined() ? weight.sizes() : at::IntArrayRef{});
+  TS_CHECK(c10::isFloatingType(weight.scalar_type()), "a linear weight must be floating point, got ", weight.scalar_type());
+  in_ = weight.size(1);
+  out_ = weight.size(0);
+  TS_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out_ && c10::isFloatingType(bias.scalar_type())),
+           "a linear bias must be floating point [", out_, "] for a weight [", out_, ", ", in_, "], got ",
+           bias.defined() ? bias.sizes() : at::IntArrayRef{}, " ", bias.defined() ? c10::toString(bias.scalar_type()) : "");
   at::Tensor w = weight.detach().to(at::kFloat).contiguous();
   switch (format) {
     case WeightFormat::kFP32: w_ = w.clone(); break;

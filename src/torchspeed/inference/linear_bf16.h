@@ -21,6 +21,8 @@ void activate(float* y, int64_t rows, int64_t N, int64_t o0, int64_t o1, Activat
 // bits of the adds are those of y.add_(bias) followed by residual.add_(y), one rounding each, for
 // every row alike.
 struct OutputStage {
+  // Read without bounds: [N] and [rows, N] as given (ServingLinear checks its bias's length
+  // against the weight, InferenceModel every tensor against the config).
   const float* bias = nullptr;  // [N], or none
   float* residual = nullptr;    // [rows, N], or none
   Activation act = Activation::kNone;

@@ -4,9 +4,13 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include <c10/core/ScalarType.h>
+
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <set>
+#include <sstream>
 
 #include "torchspeed/inference/attention.h"
 #include "torchspeed/inference/linear.h"
@@ -85,6 +89,68 @@ void rms_norm_inplace(float* x, int64_t d, const float* w, float eps) {
   for (int64_t i = 0; i < d; ++i) x[i] = w[i] * (x[i] * r);
 }
 
+// Note [Serving tensor shapes]
+// The serving kernels index the weights by the config's widths (the fused qkv rows, the heads'
+// columns, the norms' d, the q/k norms' head_dim, the vocabulary's rows), not by the tensors'
+// own sizes, and the tensor-parallel split narrows by them too: a checkpoint whose tensors
+// disagree with its config would have them read past their buffers. So every tensor's shape is
+// checked against the one the config gives it, and its dtype for being floating point (weights
+// are widened from it), before anything is built; each error names the tensor, its shape and
+// the expected one.
+std::map<std::string, std::vector<int64_t>> expected_shapes(const models::GPTConfig& c) {
+  const int64_t d = c.d_model, qkv = c.q_width() + 2 * c.kv_width(), up = c.swiglu() ? 2 * c.ff() : c.ff();
+  std::map<std::string, std::vector<int64_t>> e;
+  e["embed.tok.weight"] = {c.vocab, d};
+  if (!c.rope()) e["embed.pos.weight"] = {c.seq_len, d};
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const std::string b = "block" + std::to_string(i) + ".";
+    for (const char* n : {"ln1", "ln2"}) {
+      e[b + n + ".weight"] = {d};
+      if (!c.rms()) e[b + n + ".bias"] = {d};
+    }
+    if (c.qk_norm) e[b + "q_norm.weight"] = e[b + "k_norm.weight"] = {c.hd()};
+    e[b + "qkv.weight"] = {qkv, d};
+    if (c.qkv_bias) e[b + "qkv.bias"] = {qkv};
+    e[b + "attn_proj.weight"] = {d, c.q_width()};
+    if (c.attn_out_bias) e[b + "attn_proj.bias"] = {d};
+    e[b + "fc.weight"] = {up, d};
+    if (c.mlp_bias) e[b + "fc.bias"] = {up};
+    e[b + "mlp_proj.weight"] = {d, c.ff()};
+    if (c.mlp_bias) e[b + "mlp_proj.bias"] = {d};
+  }
+  e["head.ln_f.weight"] = {d};
+  if (!c.rms()) e["head.ln_f.bias"] = {d};
+  if (!c.tie_embeddings) e["head.weight"] = {c.vocab, d};
+  return e;
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+void check_tensors(const checkpoint::Model& model, const models::GPTConfig& cfg) {
+  const auto expected = expected_shapes(cfg);
+  std::set<std::string> seen;
+  for (const auto& [name, t] : model.params) {
+    TS_CHECK(seen.insert(name).second, model.source, ": tensor \"", name, "\" is listed twice");
+    const auto it = expected.find(name);
+    TS_CHECK(it != expected.end(), model.source, ": tensor \"", name, "\" is not part of a model with config ",
+             cfg.to_json().dump());
+    TS_CHECK(t.defined(), model.source, ": tensor \"", name, "\" has no data");
+    TS_CHECK(c10::isFloatingType(t.scalar_type()), model.source, ": tensor \"", name, "\" has dtype ", t.scalar_type(),
+             "; a model's weights are floating point");
+    TS_CHECK(t.sizes().vec() == it->second, model.source, ": tensor \"", name, "\" has shape ", shape_str(t.sizes()),
+             ", but the model's config needs ", shape_str(it->second), " (config ", cfg.to_json().dump(), ")");
+  }
+  for (const auto& [name, shape] : expected) {
+    TS_CHECK(seen.count(name), model.source, ": the model has no tensor \"", name, "\" (", shape_str(shape), ")");
+  }
+}
+
 struct Params {
   std::map<std::string, at::Tensor> by_name;
   std::string source;
@@ -113,6 +179,7 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
   const int64_t kv_first = cfg_.kv_heads() % tps == 0 ? tpr * kv_heads_ : tpr / (tps / cfg_.kv_heads());
   if (!cfg_.swiglu()) gelu_ = activation_for_gelu(cfg_.gelu_approximate());
   hd_ = cfg_.hd();
+  check_tensors(model, cfg_);  // Note [Serving tensor shapes]
   Params p;
   p.source = model.source;
   for (const auto& [name, t] : model.params) p.by_name[name] = t;
