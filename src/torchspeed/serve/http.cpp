@@ -892,34 +892,36 @@ void Server::Core::loop_main() {
   while (!stopping) {
     const int n = epoll_wait(epoll_fd, events.data(), static_cast<int>(events.size()), 100);
     for (int i = 0; i < n; ++i) {
-      const epoll_event& e = events[static_cast<size_t>(i)];
-      if (e.data.u64 == 0) {  // the listening socket
+      // epoll_event is packed on x86-64: copy its fields rather than bind references to them.
+      const uint64_t key = events[static_cast<size_t>(i)].data.u64;
+      const uint32_t flags = events[static_cast<size_t>(i)].events;
+      if (key == 0) {  // the listening socket
         accept_all();
         continue;
       }
-      if (e.data.u64 == UINT64_MAX) {  // wake_fd
+      if (key == UINT64_MAX) {  // wake_fd
         uint64_t v;
         [[maybe_unused]] ssize_t r = ::read(wake_fd, &v, sizeof(v));
         continue;
       }
-      auto it = conns.find(e.data.u64);
+      auto it = conns.find(key);
       if (it == conns.end()) continue;
       Conn& c = *it->second;
       if (c.state == Conn::kClosing) continue;
-      if ((e.events & EPOLLIN) && (!c.reading_paused || c.state == Conn::kLingering)) on_readable(c);
+      if ((flags & EPOLLIN) && (!c.reading_paused || c.state == Conn::kLingering)) on_readable(c);
       if (c.state == Conn::kClosing) continue;
       if (c.state == Conn::kLingering) {
-        if (e.events & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) close_conn(c, false);
+        if (flags & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) close_conn(c, false);
         continue;
       }
-      if (e.events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+      if (flags & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
         // The peer closed or half-closed (what it sent before was read above). A request in
         // flight has nobody to answer to: its owner hears of it (on_gone) and stops the work.
         const bool pending = c.state == Conn::kHandling || c.in_request;
         close_conn(c, pending);
         continue;
       }
-      if (e.events & EPOLLOUT) flush(c);
+      if (flags & EPOLLOUT) flush(c);
     }
     std::vector<Msg> msgs;
     {
