@@ -7,7 +7,8 @@
 #          same full optimizer state, also through offloaded engines (dp 2 stage 3 with optimizer and
 #          parameters on disk, dp 1 stage 2); training on from each agrees with dp 4 (fp32 tolerance).
 # faults:  SIGKILL during a save and after each step of publishing a re-save, truncated and
-#          bit-flipped shards, an unwritable folder, a save called by one rank only, keep_last.
+#          bit-flipped shards, an unwritable folder, a save called by one rank only, `latest`
+#          failing after the tag was published, keep_last (and a tag being read kept from it).
 set -euo pipefail
 suite=$1 driver=$2 mpirun=$3
 work=$(mktemp -d "${TMPDIR:-/tmp}/ts-ckpt-XXXXXX")
@@ -101,6 +102,15 @@ faults)
   tail -n 2 straight.losses | diff - failed-save.losses >/dev/null || fail "a failed save changed training"
   cmp straight.params.safetensors failed-save.params.safetensors || fail "a failed save changed the parameters"
   echo "failed write ok"
+  # Writing latest fails once the tag is in place: the error says the tag is published and what
+  # latest still names; the tag is complete and loads by its name.
+  rm -rf lf && cp -r k lf
+  run 2 $common --steps 4 --load lf --save lf --save-at 3 --fault publish-fail:latest --out latest-failed | tee out.txt >/dev/null
+  grep -q "SAVE_FAILED: .*injected failure.*published at lf/global_step3, but lf/latest still names the previous tag 'global_step2'" out.txt ||
+    { cat out.txt; fail "no truthful error for a failed latest"; }
+  [ "$(cat lf/latest)" = global_step2 ] && [ -f lf/global_step3/manifest.json ] || fail "after a failed latest: $(ls -a lf)"
+  run 1 --compare lf/global_step3 lf/global_step3 | grep -q STATES_EQUAL || fail "the published lf/global_step3 does not load"
+  echo "failed latest ok"
   # SIGKILL of rank 1 in the middle of saving step 4: latest still names step 2, which loads.
   if run 2 $common --steps 4 --load k --save k --save-at 4 --fault kill:1 >/dev/null 2>&1; then fail "the killed job succeeded"; fi
   [ "$(cat k/latest)" = global_step2 ] || fail "latest is '$(cat k/latest)' after a killed save"
@@ -172,6 +182,14 @@ import sys; p='b/global_step2/rank00000.safetensors'; d=bytearray(open(p,'rb').r
   # keep_last: only the newest tags stay.
   run 2 $common --steps 5 --save kl --save-every 1 --keep-last 2 >/dev/null
   [ "$(ls kl | sort | tr '\n' ' ')" = "global_step4 global_step5 latest " ] || fail "keep_last left: $(ls -a kl)"
+  # A tag being read is kept: with a shared lock on its manifest.json (as every loading rank
+  # holds it) the saves that would prune it keep it, and the next save after the reader let go
+  # removes it. Nothing of the locking stays behind.
+  flock -s kl/global_step4/manifest.json $mpirun -np 2 "$driver" $common --steps 7 --load kl --save kl --save-every 1 \
+    --keep-last 2 >/dev/null
+  [ "$(ls kl | sort | tr '\n' ' ')" = "global_step4 global_step6 global_step7 latest " ] || fail "keep_last removed a tag being read: $(ls -a kl)"
+  run 2 $common --steps 8 --load kl --save kl --save-every 1 --keep-last 2 >/dev/null
+  [ "$(ls -A kl | sort | tr '\n' ' ')" = "global_step7 global_step8 latest " ] || fail "keep_last left: $(ls -A kl)"
   echo "keep_last ok"
   ;;
 *) fail "unknown suite $suite" ;;

@@ -1,13 +1,20 @@
 // Checkpoint building blocks without MPI: CRC-32C, safetensors round trips and damage
-// detection, and the partition layout's pieces (what resharding relies on).
+// detection, and the partition layout's pieces (what resharding relies on); the save protocol
+// on a communicator of one rank: keep_last and readers, a failed `latest`, durable folders, and
+// names read from files.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <random>
+#include <set>
 #include <tuple>
 #include <unistd.h>
 #include <vector>
@@ -16,9 +23,31 @@
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/checkpoint/crc32c.h"
 #include "torchspeed/checkpoint/hf_gpt2.h"
+#include "torchspeed/checkpoint/reshard.h"
 #include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/checkpoint/sharded.h"
+#include "torchspeed/comm/communicator.h"
 #include "torchspeed/zero/partition_layout.h"
+
+// fsync(2) for the whole test binary: the library's calls resolve here first (an executable's
+// definition comes before libc's). It records the folders fsynced, then does the real fsync.
+namespace {
+std::mutex g_fsync_mu;
+std::set<std::string> g_fsynced_folders;
+}  // namespace
+extern "C" int fsync(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+    char link[64], path[4096];
+    std::snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+    const ssize_t n = ::readlink(link, path, sizeof(path) - 1);
+    if (n > 0) {
+      std::lock_guard<std::mutex> lock(g_fsync_mu);
+      g_fsynced_folders.insert(std::string(path, static_cast<size_t>(n)));
+    }
+  }
+  return static_cast<int>(::syscall(SYS_fsync, fd));
+}
 
 namespace ck = torchspeed::checkpoint;
 namespace fs = std::filesystem;
@@ -33,6 +62,82 @@ std::string read_all(const std::string& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), {}};
 }
+
+// A communicator of one rank: the collective save/load protocol without MPI. Every collective
+// is a copy (or nothing).
+class SoloComm final : public torchspeed::comm::Communicator {
+  using WorkPtr = torchspeed::comm::WorkPtr;
+  class Done final : public torchspeed::comm::Work {
+   public:
+    using Work::Work;
+    void wait() override {}
+    bool is_completed() override { return true; }
+    std::exception_ptr exception() const override { return nullptr; }
+  };
+  static WorkPtr done(std::vector<at::Tensor> result = {}) { return std::make_shared<Done>(std::move(result)); }
+
+ public:
+  using Communicator::split;
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const std::string& name() const override { return name_; }
+  const std::vector<int>& world_ranks() const override { return ranks_; }
+  const torchspeed::comm::CommOptions& options() const override { return options_; }
+  torchspeed::comm::CommStats stats() const override { return {}; }
+  std::shared_ptr<Communicator> split(int, int, const std::string&, const torchspeed::comm::CommOptions&) override {
+    return std::make_shared<SoloComm>();
+  }
+
+ protected:
+  WorkPtr do_all_reduce(const at::Tensor& t, torchspeed::comm::ReduceOp, Mode) override { return done({t}); }
+  WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, torchspeed::comm::ReduceOp, Mode) override {
+    out.copy_(in.reshape(out.sizes()));
+    return done({out});
+  }
+  WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out, Mode) override {
+    out.copy_(in.reshape(out.sizes()));
+    return done({out});
+  }
+  WorkPtr do_broadcast(const at::Tensor& t, int, Mode) override { return done({t}); }
+  WorkPtr do_send(const at::Tensor&, int, int) override { TS_CHECK(false, "SoloComm has no peer"); }
+  WorkPtr do_recv(const at::Tensor&, int, int) override { TS_CHECK(false, "SoloComm has no peer"); }
+  WorkPtr do_barrier(Mode) override { return done(); }
+
+ private:
+  std::string name_ = "solo";
+  std::vector<int> ranks_{0};
+  torchspeed::comm::CommOptions options_;
+};
+
+// A save of tag `tag` into `dir` by one rank: one shard, and the manifest keys loading checks.
+std::string save_tag(torchspeed::comm::Communicator& comm, const std::string& dir, const std::string& tag,
+                     int keep_last = 0) {
+  ck::SaveSpec spec;
+  spec.dir = dir;
+  spec.tag = tag;
+  spec.keep_last = keep_last;
+  spec.manifest = {{"params", nlohmann::json::array()}, {"zero", nlohmann::json::object()},
+                   {"engine", nlohmann::json::object()}, {"grid", nlohmann::json::object()}};
+  spec.tensors = {{"x", at::arange(4, at::kFloat)}};
+  spec.file = "rank00000.safetensors";
+  return ck::save(comm, spec);
+}
+
+// The entries of `dir`, hidden ones included, sorted, space-separated.
+std::string entries(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : " ") + n;
+  return out;
+}
+
+// Sets an environment variable for the scope.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  const char* name_;
+};
 }  // namespace
 
 TEST(Checkpoint, Crc32cMatchesTheStandardCheckValue) {
@@ -362,4 +467,154 @@ TEST(Checkpoint, Gpt2FoldersRoundTripWithTransformersNamesAndConv1DLayout) {
   ck::save_safetensors(dir + "/model.safetensors", {{"transformer.h.0.attn.q_proj.weight", at::zeros({4, 4})}});
   ts_test::expect_error([&] { ck::load_model(dir); }, "tensor \"transformer.h.0.attn.q_proj.weight\" is not part of a GPT-2");
   std::filesystem::remove_all(dir);
+}
+
+// keep_last never deletes a tag a reader holds (an Opened from open() or open_local()): the save
+// keeps it with a warning, and a later save removes it once the reader let go. Nothing of the
+// locking stays behind in the folder.
+TEST(Checkpoint, PruningSkipsATagAReaderHoldsAndRemovesItLater) {
+  SoloComm comm;
+  const std::string dir = temp_dir() + "/prune";
+  fs::remove_all(dir);
+  save_tag(comm, dir, "t1", 2);
+  save_tag(comm, dir, "t2", 2);
+  auto reading_t1 = ck::open(comm, dir, "t1");  // as Engine::load_checkpoint holds it
+  ASSERT_TRUE(reading_t1 && reading_t1->hold);
+  save_tag(comm, dir, "t3", 2);  // would prune t1
+  EXPECT_EQ(entries(dir), "latest t1 t2 t3");
+  EXPECT_EQ(ck::load_safetensors(reading_t1->path + "/rank00000.safetensors").at("x").sum().item<float>(), 6.0f);
+  auto reading_t2 = ck::open_local(dir + "/t2");  // as consolidate() holds it
+  reading_t1.reset();
+  save_tag(comm, dir, "t4", 2);  // t1 is free now; t2 is held
+  EXPECT_EQ(entries(dir), "latest t2 t3 t4");
+  reading_t2 = {};
+  save_tag(comm, dir, "t5", 2);
+  EXPECT_EQ(entries(dir), "latest t4 t5");
+  EXPECT_EQ(entries(dir + "/t5"), "manifest.json rank00000.safetensors");
+  fs::remove_all(dir);
+}
+
+// A save whose `latest` cannot be written after the tag was renamed into place says so: the
+// tag is complete and published, and `latest` names what it named before (or nothing).
+TEST(Checkpoint, AFailedLatestSaysTheTagIsPublishedAndWhatLatestNames) {
+  SoloComm comm;
+  const std::string dir = temp_dir() + "/latest-fails";
+  fs::remove_all(dir);
+  {
+    ScopedEnv fault("TORCHSPEED_CHECKPOINT_FAULT", "publish-fail:latest");
+    ts_test::expect_error([&] { save_tag(comm, dir, "t0"); },
+                          "The checkpoint is complete and published at " + dir + "/t0, but " + dir +
+                              "/latest was not written: there is no latest tag");
+  }
+  EXPECT_FALSE(fs::exists(dir + "/latest"));
+  EXPECT_EQ(ck::open_local(dir + "/t0").manifest.at("tag"), "t0");
+  save_tag(comm, dir, "t1");
+  {
+    ScopedEnv fault("TORCHSPEED_CHECKPOINT_FAULT", "publish-fail:latest");
+    ts_test::expect_error([&] { save_tag(comm, dir, "t2"); }, "injected failure of step 'latest'");
+    ts_test::expect_error([&] { save_tag(comm, dir, "t3"); },
+                          "The checkpoint is complete and published at " + dir + "/t3, but " + dir +
+                              "/latest still names the previous tag 't1'");
+  }
+  EXPECT_EQ(read_all(dir + "/latest"), "t1\n");
+  EXPECT_EQ(ck::open_local(dir + "/t3").manifest.at("tag"), "t3");
+  EXPECT_EQ(ck::open(comm, dir, "")->manifest.at("tag"), "t1");
+  // A failure before the rename still publishes nothing.
+  {
+    ScopedEnv fault("TORCHSPEED_CHECKPOINT_FAULT", "publish-fail:rename");
+    ts_test::expect_error([&] { save_tag(comm, dir, "t4"); },
+                          "Nothing was published: " + dir + "/latest and the checkpoints already there are untouched");
+  }
+  EXPECT_EQ(read_all(dir + "/latest"), "t1\n");
+  EXPECT_EQ(entries(dir), "latest t0 t1 t2 t3");  // no t4, no temporary
+  fs::remove_all(dir);
+}
+
+// The folders a save creates are fsynced in their parents, so a crash cannot lose the folder
+// holding a checkpoint that was reported saved.
+TEST(Checkpoint, SaveFsyncsTheFoldersItCreatesInTheirParents) {
+  SoloComm comm;
+  const std::string base = fs::canonical(temp_dir()).string() + "/durable";
+  fs::remove_all(base);
+  fs::create_directories(base);
+  {
+    std::lock_guard<std::mutex> lock(g_fsync_mu);
+    g_fsynced_folders.clear();
+  }
+  save_tag(comm, base + "/runs/ckpt", "t1");
+  std::lock_guard<std::mutex> lock(g_fsync_mu);
+  for (const std::string& folder : {base, base + "/runs", base + "/runs/ckpt"})
+    EXPECT_TRUE(g_fsynced_folders.count(folder)) << folder << " was not fsynced";
+  fs::remove_all(base);
+}
+
+// Names read from files are joined into paths only when they are plain names: the tag in
+// `latest`, shard files in manifest.json and in a Hugging Face index.
+TEST(Checkpoint, NamesReadFromFilesMustBePlainNames) {
+  SoloComm comm;
+  const std::string dir = temp_dir() + "/names";
+  fs::remove_all(dir);
+  save_tag(comm, dir, "t1");
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"../t1", "\"../t1\""}, {"/etc", "\"/etc\""}, {"t1/../../x", "\"t1/../../x\""},
+      {"..", "\"..\""},       {std::string("t1\0x", 4), "\"t1\\u0000x\""}};
+  for (const auto& [name, shown] : bad) {
+    SCOPED_TRACE(shown);
+    std::ofstream(dir + "/latest", std::ios::trunc) << name << "\n";
+    const std::string needle = dir + "/latest: tag " + shown + " is not a plain file name";
+    ts_test::expect_error([&] { ck::open(comm, dir, ""); }, needle);
+    ts_test::expect_error([&] { ck::open_local(dir); }, needle);
+  }
+  // manifest.json's shard files.
+  std::ofstream(dir + "/latest", std::ios::trunc) << "t1\n";
+  const std::string mpath = dir + "/t1/manifest.json";
+  auto m = nlohmann::json::parse(read_all(mpath));
+  m["files"]["../../escape.safetensors"] = m["files"]["rank00000.safetensors"];
+  std::ofstream(mpath, std::ios::trunc) << m.dump();
+  ts_test::expect_error([&] { ck::open_local(dir); },
+                        mpath + ": shard file \"../../escape.safetensors\" is not a plain file name");
+  // The shard files a slice lists (joined by ShardSource).
+  const auto layout = torchspeed::zero::PartitionLayout::from_json(
+      {{"stage", 1},
+       {"dp", 1},
+       {"part_numel", 4},
+       {"units", {{{"padded", 4}, {"shard", 4}, {"part_offset", 0}, {"part_size", 4}, {"params", {{"w", 0, 4}}}}}}},
+      "test");
+  ts_test::expect_error([&] { ck::ShardSource(dir + "/t1", layout, {"/etc/passwd"}, {}); },
+                        dir + "/t1/manifest.json: shard file \"/etc/passwd\" is not a plain file name");
+  // A Hugging Face index's shard files.
+  const std::string hf = temp_dir() + "/hf-index";
+  fs::remove_all(hf);
+  fs::create_directories(hf);
+  for (const std::string name : {"../model.safetensors", "/tmp/model.safetensors", "sub/model.safetensors", ""}) {
+    SCOPED_TRACE(name);
+    std::ofstream(hf + "/model.safetensors.index.json", std::ios::trunc)
+        << nlohmann::json{{"weight_map", {{"w", name}}}}.dump();
+    ts_test::expect_error([&] { ck::hf::safetensors_files(hf); },
+                          hf + "/model.safetensors.index.json: weight_map[\"w\"]: shard file \"" + name +
+                              "\" is not a plain file name");
+  }
+  std::ofstream(hf + "/model.safetensors.index.json", std::ios::trunc)
+      << R"({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors", "c": "model-1.safetensors"}})";
+  EXPECT_EQ(ck::hf::safetensors_files(hf),
+            (std::vector<std::string>{hf + "/model-1.safetensors", hf + "/model-2.safetensors"}));
+  fs::remove_all(hf);
+  fs::remove_all(dir);
+}
+
+// A header length beyond safetensors' 100 MB limit is refused before anything is allocated or
+// read, even when the file is that large (here a sparse one).
+TEST(Checkpoint, SafetensorsHeadersOver100MBAreRefused) {
+  const std::string dir = temp_dir(), path = dir + "/huge-header.safetensors";
+  const uint64_t n = 150'000'000;
+  {
+    std::string len(8, '\0');
+    for (int i = 0; i < 8; ++i) len[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xFF);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << len;
+  }
+  fs::resize_file(path, 8 + n);
+  const std::string needle = path + ": header length 150000000 at offset 0 exceeds the 100000000 bytes safetensors allows";
+  ts_test::expect_error([&] { ck::load_safetensors(path); }, needle);
+  ts_test::expect_error([&] { ck::SafetensorsReader reader(path); }, needle);
+  fs::remove(path);
 }

@@ -185,6 +185,7 @@ std::vector<std::string> safetensors_files(const std::string& dir) {
     std::set<std::string> seen;
     for (const auto& [name, file] : j.at("weight_map").items()) {
       TS_CHECK(file.is_string(), index, ": weight_map[\"", name, "\"] must be a file name");
+      check_plain_name(file.get<std::string>(), index, concat("weight_map[\"", name, "\"]: shard file").c_str());
       if (seen.insert(file.get<std::string>()).second) files.push_back((d / file.get<std::string>()).string());
     }
   } else {

@@ -18,7 +18,8 @@ ShardSource::ShardSource(std::string dir, zero::PartitionLayout layout, std::vec
   TS_CHECK(static_cast<int>(files_.size()) == layout_.dp, dir_, ": the manifest lists ", files_.size(),
            " shard files for data-parallel size ", layout_.dp);
   for (int r = 0; r < layout_.dp; ++r) {
-    if (files_[static_cast<size_t>(r)].empty()) continue;
+    if (files_[static_cast<size_t>(r)].empty()) continue;  // this rank saved no shard
+    check_plain_name(files_[static_cast<size_t>(r)], dir_ + "/manifest.json", "shard file");
     for (const auto& p : zero::pieces(layout_, r)) segments_[p.name].push_back({p.begin, p.length, p.part_offset, r});
   }
 }

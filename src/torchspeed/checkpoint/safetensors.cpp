@@ -224,6 +224,14 @@ void fsync_dir(const std::string& dir) {
   TS_CHECK(rc == 0, "fsync of folder '", dir, "' failed: ", std::strerror(errno));
 }
 
+void check_plain_name(const std::string& name, const std::string& source, const char* what) {
+  TS_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+               name.find('\0') == std::string::npos,
+           source, ": ", what, " ", nlohmann::json(name).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+           " is not a plain file name (empty, '.', '..', a '/' or a NUL byte): refused, a name read from a file ",
+           "never reaches outside its folder");
+}
+
 void write_file_atomic(const std::string& path, const std::string& bytes) {
   replace_atomically(path, [&](const std::string& tmp) {
     File f(tmp, O_WRONLY | O_CREAT | O_TRUNC);
@@ -331,6 +339,8 @@ Header read_header(File& f, int64_t size, const std::string& path, uint32_t& crc
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
   TS_CHECK(n <= static_cast<uint64_t>(size - 8), path, ": header length ", n, " at offset 0 exceeds the file size ",
            size);
+  TS_CHECK(n <= kMaxSafetensorsHeader, path, ": header length ", n, " at offset 0 exceeds the ", kMaxSafetensorsHeader,
+           " bytes safetensors allows: not a safetensors file or a damaged one");
   std::string text(n, '\0');
   f.read(text.data(), n, crc);
   nlohmann::json header;

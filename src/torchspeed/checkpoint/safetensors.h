@@ -95,4 +95,16 @@ void write_file_atomic(const std::string& path, const std::string& bytes);
 // fsync of a folder, so that renames and new entries in it are durable.
 void fsync_dir(const std::string& dir);
 
+// Names read from files (a tag in `latest`, a shard in manifest.json or a Hugging Face index)
+// are joined into paths as one entry of a folder. Refuses, naming `source` (the file the name
+// came from) and the name: an empty name, "." or "..", one holding '/' (an absolute path, or
+// '..' components reaching outside the folder) or a NUL byte (the system would open a shorter
+// name than the one checked).
+void check_plain_name(const std::string& name, const std::string& source, const char* what);
+
+// The largest header a safetensors file may declare: the Rust implementation's MAX_HEADER_SIZE
+// (100 MB), so that a damaged or hostile length cannot make a reader allocate and parse
+// gigabytes.
+inline constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
+
 }  // namespace torchspeed::checkpoint

@@ -7,29 +7,44 @@
 //     deadline with an error instead of hanging. The engine passes a communicator of its own
 //     (a save on one rank can never match another rank's training collectives) with half the
 //     training deadline, so the save's error, which names the cause, comes first.
-//  2. Rank 0 removes what dead saves of this host left (see 5) and creates
-//     DIR/.TAG.tmp-HOST-PID-NS, and shares its outcome.
+//  2. Rank 0 creates DIR if it is missing (each new folder fsynced in its parent), removes what
+//     dead saves of this host left (see 5), creates DIR/.TAG.tmp-HOST-PID-NS, and shares its
+//     outcome.
 //  3. Each rank writes and fsyncs its shard into it, checksumming as it writes.
 //  4. Outcomes, sizes, checksums and per-rank state are all-gathered. Any failure: rank 0
 //     removes the temporary folder and every rank throws the same error.
 //  5. Rank 0 writes manifest.json, fsyncs, renames the folder to DIR/TAG, fsyncs DIR, replaces
-//     DIR/latest atomically, removes what TAG held before, prunes tags beyond keep_last (never
-//     the new one), and shares its outcome. A TAG saved before (a re-save) is swapped with the
-//     temporary folder in one renameat2(RENAME_EXCHANGE), so DIR/TAG is a complete checkpoint,
-//     the old or the new, at every instant; the old one then sits in the temporary folder until
-//     it is removed. Where the filesystem cannot exchange, the old TAG is renamed to
-//     DIR/.TAG.old-HOST-PID first; if the process dies before the new one takes its name,
-//     loading reads the .old folder in its place and the next save renames it back.
+//     DIR/latest atomically, removes what TAG held before, prunes tags beyond keep_last (never the
+//     new one, nor one being read: Note [Readers hold their tag]), and shares its outcome. An error
+//     after the rename says that DIR/TAG is published and what DIR/latest names. A TAG saved before
+//     (a re-save) is swapped with the temporary folder in one renameat2(RENAME_EXCHANGE), so
+//     DIR/TAG is a complete checkpoint, the old or the new, at every instant; the old one then sits
+//     in the temporary folder until it is removed. Where the filesystem cannot exchange, the old
+//     TAG is renamed to DIR/.TAG.old-HOST-PID first; if the process dies before the new one takes
+//     its name, loading reads the .old folder in its place and the next save renames it back.
 // A process killed anywhere before 5's rename leaves only a temporary folder, which loading
 // never looks at and a later save removes; DIR/latest still names the previous tag. Only
 // temporaries of processes that no longer run on this host are removed, so jobs sharing DIR
 // never delete each other's saves in progress. Loading verifies every file's size and CRC-32C
 // against the manifest before any state changes.
+//
+// Note [Readers hold their tag]
+// Pruning (keep_last) must never delete a tag while a job, or a tool such as convert, reads it.
+// A reader takes a shared flock(2) on the tag's manifest.json before it reads the manifest and
+// keeps it while its Opened lives (every rank of a load its own); prune takes an exclusive one
+// without waiting, renames the tag out of the way while holding it (then deletes it), and
+// skips a tag that is held (a warning; a later save removes it). The lock is on manifest.json
+// itself: no lock file is created or left behind, and a read-only checkpoint can be read. A
+// reader whose lock was granted only after prune took the tag away finds that the path no
+// longer names the file it locked (stat vs fstat) and resolves `latest` again. Filesystems
+// without flock(2) read and prune as before.
 #include "torchspeed/checkpoint/sharded.h"
 
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>  // renameat2, RENAME_EXCHANGE
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,6 +56,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <vector>
@@ -68,7 +84,8 @@ void check_tag(const std::string& tag) {
 
 // Test hook (fault-injection tests): TORCHSPEED_CHECKPOINT_FAULT=kill:R or fail:R makes rank R
 // die by SIGKILL, or fail, right after writing its shard; publish:STEP kills rank 0 right after
-// step STEP of publishing (manifest, aside, rename, latest, cleanup).
+// step STEP of publishing (manifest, aside, rename, latest, cleanup); publish-fail:rename or
+// publish-fail:latest makes that step fail (renaming the tag into place, writing DIR/latest).
 void inject_fault(int rank) {
   const char* f = std::getenv("TORCHSPEED_CHECKPOINT_FAULT");
   if (!f) return;
@@ -82,6 +99,80 @@ void inject_fault(int rank) {
 void inject_publish_fault(const char* step) {
   const char* f = std::getenv("TORCHSPEED_CHECKPOINT_FAULT");
   if (f && std::string(f) == std::string("publish:") + step) ::raise(SIGKILL);
+}
+void inject_publish_failure(const char* step) {
+  const char* f = std::getenv("TORCHSPEED_CHECKPOINT_FAULT");
+  if (f && std::string(f) == std::string("publish-fail:") + step)
+    TS_CHECK(false, "injected failure of step '", step, "' (TORCHSPEED_CHECKPOINT_FAULT=", f, ")");
+}
+
+// A flock(2) on a tag's manifest.json (Note [Readers hold their tag]), released with the
+// descriptor.
+class ManifestLock {
+ public:
+  explicit ManifestLock(int fd) : fd_(fd) {}
+  ~ManifestLock() { ::close(fd_); }
+  ManifestLock(const ManifestLock&) = delete;
+  ManifestLock& operator=(const ManifestLock&) = delete;
+
+ private:
+  int fd_;
+};
+
+int flock_retrying(int fd, int op) {
+  int rc;
+  while ((rc = ::flock(fd, op)) != 0 && errno == EINTR) {
+  }
+  return rc;
+}
+
+// A reader's shared lock on TAG_DIR/manifest.json; null when there is no manifest.json, or when
+// the one locked was deleted (pruned) before the lock was granted.
+std::shared_ptr<const ManifestLock> hold_tag(const fs::path& tag_dir) {
+  const std::string mpath = (tag_dir / "manifest.json").string();
+  const int fd = ::open(mpath.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    TS_CHECK(errno == ENOENT || errno == ENOTDIR, "cannot open '", mpath, "': ", std::strerror(errno));
+    return nullptr;
+  }
+  auto lock = std::make_shared<const ManifestLock>(fd);
+  if (flock_retrying(fd, LOCK_SH) != 0) {
+    log::warn("checkpoint: cannot lock '", mpath, "' (", std::strerror(errno),
+              "): reading it unlocked; a save with keep_last may delete it meanwhile");
+    return lock;
+  }
+  struct stat held {}, named {};
+  if (::fstat(fd, &held) != 0 || ::stat(mpath.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
+      held.st_dev != named.st_dev)
+    return nullptr;
+  return lock;
+}
+
+// The tag DIR/latest names, checked: it is joined into a path.
+std::string tag_in_latest(const fs::path& latest) {
+  const std::string t = trim(read_file(latest.string()));
+  TS_CHECK(!t.empty(), latest.string(), " is empty");
+  check_plain_name(t, latest.string(), "tag");
+  return t;
+}
+
+// Creates DIR and the folders above it that are missing, fsyncing the folder each was created
+// in: a checkpoint fsynced inside a folder whose own entry a crash can lose is not durable.
+void create_folders_durably(const fs::path& dir, const std::string& what) {
+  std::vector<fs::path> missing;  // DIR first
+  fs::path p = dir.has_filename() ? dir : dir.parent_path();  // "a/b/" is "a/b"
+  std::error_code ec;
+  for (; !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;  // the root
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    fs::create_directory(*it, ec);  // false without an error when another process made it
+    TS_CHECK(!ec && fs::is_directory(*it), "cannot create the checkpoint folder '", what, "': ",
+             ec ? ec.message() : concat("'", it->string(), "' is not a folder"));
+    fsync_dir(it->has_parent_path() ? it->parent_path().string() : ".");
+  }
+  TS_CHECK(fs::is_directory(dir), "cannot create the checkpoint folder '", what, "': not a folder");
 }
 
 std::string host_name() {
@@ -177,8 +268,36 @@ void prune(const fs::path& dir, int keep_last, const std::string& keep) {
   }
   std::sort(tags.begin(), tags.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (size_t i = static_cast<size_t>(std::max(keep_last - 1, 0)); i < tags.size(); ++i) {
-    fs::remove_all(tags[i].second, ec);
-    if (ec) log::warn("checkpoint.keep_last: cannot remove '", tags[i].second.string(), "': ", ec.message());
+    const fs::path& tag = tags[i].second;
+    const std::string mpath = (tag / "manifest.json").string();
+    // The tag is renamed out of the way under the lock: new readers no longer find it, and one
+    // whose lock was waiting finds it gone. It is deleted after the lock is released: over NFS a
+    // file deleted while open leaves a .nfs file behind that keeps its folder from going. A
+    // process that dies in between leaves a temporary that a later save removes.
+    const std::string doomed = (dir / concat(".", tag.filename().string(), ".tmp-", host_name(), "-", ::getpid(), "-",
+                                             std::chrono::system_clock::now().time_since_epoch().count())).string();
+    {
+      // Read-write where we may: over NFS flock(2) is a POSIX lock, and an exclusive one needs a
+      // descriptor open for writing. Nothing is written.
+      int fd = ::open(mpath.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd < 0) fd = ::open(mpath.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;  // gone meanwhile
+      const ManifestLock lock(fd);
+      if (flock_retrying(fd, LOCK_EX | LOCK_NB) != 0) {
+        if (errno == EWOULDBLOCK) {
+          log::warn("checkpoint.keep_last: '", tag.string(), "' is being read: kept for now, a later save removes it");
+          continue;
+        }
+        log::warn("checkpoint.keep_last: cannot lock '", mpath, "' (", std::strerror(errno), "): removing it unlocked");
+      }
+      fs::rename(tag, doomed, ec);
+      if (ec) {
+        log::warn("checkpoint.keep_last: cannot remove '", tag.string(), "': ", ec.message());
+        continue;
+      }
+    }
+    fs::remove_all(doomed, ec);
+    if (ec) log::warn("checkpoint.keep_last: cannot remove '", doomed, "': ", ec.message());
   }
 }
 
@@ -251,9 +370,7 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
   if (root) {
     err = error_of([&] {
       std::error_code ec;
-      fs::create_directories(dir, ec);
-      TS_CHECK(!ec && fs::is_directory(dir), "cannot create the checkpoint folder '", spec.dir, "': ",
-               ec ? ec.message() : "not a folder");
+      create_folders_durably(dir, spec.dir);
       remove_stale_temporaries(dir);
       const auto ns = std::chrono::system_clock::now().time_since_epoch().count();
       tmp = (dir / concat(".", spec.tag, ".tmp-", host_name(), "-", ::getpid(), "-", ns)).string();
@@ -271,6 +388,7 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
   nlohmann::json mine = {{"rank_state", spec.rank_state}};
   err = error_of([&] {
     if (!spec.tensors.empty() || !spec.streamed.tensors.empty()) {
+      check_plain_name(spec.file, what, "shard file");
       const FileDigest d = save_safetensors_streamed(tmp + "/" + spec.file, spec.tensors, spec.streamed,
                                             {{"format", "pt"}, {"producer", "torchspeed"}, {"rank", std::to_string(comm.rank())}},
                                             /*atomic=*/false);
@@ -303,6 +421,13 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
   // 5. Publish.
   if (root) {
     std::string old;  // what TAG held before, once the new checkpoint has the name
+    // How far publishing got, so that an error says what is published and what `latest` names.
+    enum { kNothing, kRenamed, kLatest } published = kNothing;
+    const fs::path latest = dir / "latest";
+    std::optional<std::string> before;  // what `latest` named; nullopt: none (an unreadable one too)
+    error_of([&] {
+      if (fs::exists(latest)) before = trim(read_file(latest.string()));
+    });
     err = error_of([&] {
       nlohmann::json m = spec.manifest;
       m["format"] = kManifestFormat;
@@ -314,6 +439,7 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
       write_file_atomic(tmp + "/manifest.json", m.dump(1) + "\n");  // fsyncs the file and the folder
       inject_publish_fault("manifest");
       std::error_code ec;
+      inject_publish_failure("rename");
       if (fs::exists(final_path) && swap_folders(tmp, final_path.string())) {
         old = tmp;
       } else {
@@ -326,9 +452,12 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
         fs::rename(tmp, final_path, ec);
         TS_CHECK(!ec, "cannot rename '", tmp, "' to '", final_path.string(), "': ", ec.message());
       }
+      published = kRenamed;
       fsync_dir(spec.dir);
       inject_publish_fault("rename");
-      write_file_atomic((dir / "latest").string(), spec.tag + "\n");
+      inject_publish_failure("latest");
+      write_file_atomic(latest.string(), spec.tag + "\n");
+      published = kLatest;
       inject_publish_fault("latest");
       if (!old.empty()) fs::remove_all(old, ec);
       inject_publish_fault("cleanup");
@@ -340,21 +469,42 @@ std::string save(comm::Communicator& comm, const SaveSpec& spec) {
       std::error_code ec;
       fs::remove_all(tmp, ec);
       if (!old.empty() && old != tmp && !fs::exists(final_path)) fs::rename(old, final_path, ec);
+      const std::string tag_path = final_path.string(), latest_path = latest.string();
+      if (published == kNothing) {
+        err += concat(". Nothing was published: ", latest_path, " and the checkpoints already there are untouched");
+      } else if (published == kRenamed) {
+        err += concat(". The checkpoint is complete and published at ", tag_path, ", but ", latest_path,
+                      !before                ? " was not written: there is no latest tag (load this one by its tag)"
+                      : *before == spec.tag ? concat(" names '", spec.tag, "' already")
+                                             : concat(" still names the previous tag '", *before, "'"));
+      } else {
+        err += concat(". The checkpoint is published at ", tag_path, " and ", latest_path, " names it");
+      }
     }
   }
   agree(comm, what, err);
   return final_path.string();
 }
 
-Opened open_local(const std::string& path) {
-  fs::path p(path);
-  if (!fs::exists(p / "manifest.json") && fs::exists(p / "latest")) p /= trim(read_file((p / "latest").string()));
-  if (!fs::exists(p) && p.has_parent_path()) {
-    // A re-save that died with the old checkpoint moved aside (Note [Checkpoint protocol]).
-    if (auto aside = moved_aside(p.parent_path(), p.filename().string())) p = *aside;
+namespace {
+// The checkpoint PATH names (with via_latest, the tag PATH/latest names), its manifest read and
+// checked under the reader's lock (Note [Readers hold their tag]).
+Opened open_held(const std::string& path, bool via_latest) {
+  fs::path p;
+  std::shared_ptr<const ManifestLock> hold;
+  for (int attempt = 0;; ++attempt) {
+    p = path;
+    if (via_latest) p /= tag_in_latest(p / "latest");
+    if (!fs::exists(p) && p.has_parent_path()) {
+      // A re-save that died with the old checkpoint moved aside (Note [Checkpoint protocol]).
+      if (auto aside = moved_aside(p.parent_path(), p.filename().string())) p = *aside;
+    }
+    hold = hold_tag(p);
+    // A tag pruned while we resolved it: `latest` names a newer one by then.
+    if (hold || !via_latest || attempt == 2) break;
   }
   const std::string mpath = (p / "manifest.json").string();
-  TS_CHECK(fs::exists(mpath), "'", path, "' is not a torchspeed checkpoint: no manifest.json",
+  TS_CHECK(hold, "'", path, "' is not a torchspeed checkpoint: no manifest.json",
            fs::exists(p) ? "" : " (the folder does not exist)");
   nlohmann::json m;
   try {
@@ -382,34 +532,39 @@ Opened open_local(const std::string& path) {
            " is newer than this torchspeed reads (", kManifestVersion, ")");
   for (const char* key : {"files", "ranks", "params", "zero", "engine", "grid"})
     TS_CHECK(m.contains(key), mpath, ": the manifest has no \"", key, "\"");
-  return {p.string(), std::move(m)};
+  TS_CHECK(m["files"].is_object(), mpath, ": \"files\" must be an object, found ", m["files"].dump());
+  for (const auto& [name, f] : m["files"].items()) check_plain_name(name, mpath, "shard file");
+  return {p.string(), std::move(m), std::move(hold)};
+}
+}  // namespace
+
+Opened open_local(const std::string& path) {
+  const fs::path p(path);
+  return open_held(path, !fs::exists(p / "manifest.json") && fs::exists(p / "latest"));
 }
 
 std::optional<Opened> open(comm::Communicator& comm, const std::string& dir, const std::string& tag) {
-  std::string status;
+  std::string status, err;
+  Opened opened;  // holds the tag (Note [Readers hold their tag])
   if (comm.rank() == 0) {
     nlohmann::json s;
-    const std::string err = error_of([&] {
+    err = error_of([&] {
       if (tag.empty()) {
         const fs::path latest = fs::path(dir) / "latest";
         if (!fs::exists(latest)) {
           s["none"] = true;
           return;
         }
-        const std::string t = trim(read_file(latest.string()));
-        TS_CHECK(!t.empty(), latest.string(), " is empty");
-        auto o = open_local((fs::path(dir) / t).string());
-        s["path"] = o.path;
-        s["manifest"] = std::move(o.manifest);
+        opened = open_held(dir, /*via_latest=*/true);
       } else {
         check_tag(tag);
         const fs::path p = fs::path(dir) / tag;
         TS_CHECK(fs::exists(p / "manifest.json"), "no checkpoint '", tag, "' in '", dir, "'",
                  fs::exists(p) ? " (the folder has no manifest.json: an incomplete save?)" : "");
-        auto o = open_local(p.string());
-        s["path"] = o.path;
-        s["manifest"] = std::move(o.manifest);
+        opened = open_held(p.string(), /*via_latest=*/false);
       }
+      s["path"] = opened.path;
+      s["manifest"] = opened.manifest;
     });
     if (!err.empty()) s = {{"error", err}};
     status = s.dump();
@@ -419,7 +574,16 @@ std::optional<Opened> open(comm::Communicator& comm, const std::string& dir, con
   TS_CHECK(!s.contains("error"), "load_checkpoint('", dir, "'", tag.empty() ? "" : ", tag '" + tag + "'", "): ",
            s.value("error", ""));
   if (s.contains("none")) return std::nullopt;
-  return Opened{s["path"].get<std::string>(), s["manifest"]};
+  // Every rank holds the tag while it reads: rank 0 holds it until all have taken their lock.
+  if (comm.rank() != 0) {
+    opened = {s["path"].get<std::string>(), s["manifest"], nullptr};
+    err = error_of([&] {
+      opened.hold = hold_tag(opened.path);
+      TS_CHECK(opened.hold, "'", opened.path, "/manifest.json' does not exist on this rank");
+    });
+  }
+  agree(comm, concat("load_checkpoint('", opened.path, "')"), err);
+  return opened;
 }
 
 }  // namespace torchspeed::checkpoint

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -36,13 +37,18 @@ struct SaveSpec {
 void join_save(comm::Communicator& comm, const std::string& dir, const std::string& tag);
 
 // Collective over `comm` (every rank, same tag). Returns DIR/TAG. A failure on any rank throws
-// the same error on every rank, naming the rank; nothing is published and DIR/latest and the
-// tags already in DIR are untouched.
+// the same error on every rank, naming the rank. Before DIR/TAG is renamed into place nothing is
+// published: DIR/latest and the tags already in DIR are untouched. After it (DIR/latest cannot
+// be written, say) the error says that DIR/TAG is complete and what DIR/latest names.
 std::string save(comm::Communicator& comm, const SaveSpec& spec);
 
 struct Opened {
   std::string path;       // DIR/TAG
   nlohmann::json manifest;
+  // A shared lock on DIR/TAG/manifest.json while any copy lives: a save's keep_last pruning
+  // skips a tag that is being read (Note [Readers hold their tag] in sharded.cpp). Keep the
+  // Opened until the tag's files are read.
+  std::shared_ptr<const void> hold;
 };
 
 // Collective: rank 0 resolves TAG ("" = the tag DIR/latest names), reads and checks

@@ -55,7 +55,8 @@ class Work {
   explicit Work(std::vector<at::Tensor> result = {}) : result_(std::move(result)) {}
   virtual ~Work() = default;
   // Blocks until the op completed; throws its CommError when it failed (its deadline passed, a
-  // peer failed, or the communicator had failed before the op could start).
+  // peer failed, or the communicator had failed before the op could start). Never blocks for
+  // ever: an op that neither completes nor fails by its deadline ends the wait with a CommError.
   virtual void wait() = 0;
   // Non-blocking check; also throws when the op failed.
   virtual bool is_completed() = 0;

@@ -19,7 +19,16 @@
 // dead op), and later submissions throw a CommError naming the original failure. The failed
 // op's requests may still be in flight inside MPI, so the task (its tensors and scratch
 // buffers) is never freed: see keep_forever(). After a failure runtime::shutdown() aborts the
-// job, so that memory is not lost for long.
+// job, so that memory is not lost for long. Whether the communicator has failed is checked under
+// the engine's lock, the one the progress thread holds when it fails the queue and returns, so
+// an op is either queued before that (and failed with the rest) or refused at submission, never
+// queued for a thread that is gone.
+// A waiter does not rely on the engine alone: Work::wait() gives up when no op of the engine has
+// started for the deadline plus a grace (an op started within the deadline ends by then, failed
+// or not; one queued waits for the ops ahead, each of which starts the clock again), so an
+// engine that cannot end an op (a call into the backend that never returns) is reported, naming
+// the op and rank, instead of hanging the waiter. The grace lets the engine's own timeout, which
+// names the likelier cause, arrive first.
 //
 // Note [Polite polling]
 // A rank waiting in MPI spins its core. The progress thread polls MPI_Test and yields the core
@@ -121,9 +130,22 @@ void TaskWork::complete(std::exception_ptr error) {
 }
 
 void TaskWork::wait() {
-  // No deadline here: the engine ends every op by its deadline (Note [Deadlines and failure]).
+  // See Note [Deadlines and failure].
+  const auto grace = std::chrono::milliseconds(1000) + timeout_ / 10;
+  const auto since = Clock::now();
+  auto give_up_at = [&] { return std::max(since, state_->last_start()) + timeout_ + grace; };
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return done_; });
+  while (!cv_.wait_until(lock, give_up_at(), [&] { return done_; })) {
+    if (Clock::now() < give_up_at()) continue;  // another op started meanwhile
+    lock.unlock();
+    const std::string msg = concat(
+        what_.str(), ": wait() gave up after ", std::chrono::duration<double>(Clock::now() - since).count(),
+        " s: the op neither completed nor failed although no op of this communicator started for its deadline of ",
+        timeout_.count() / 1000.0, " s (and a grace of ", grace.count() / 1000.0,
+        " s): the engine that runs it is stuck (a call into the communication library that does not return?)");
+    state_->mark_broken(msg);
+    throw CommError(msg);
+  }
   if (error_) std::rethrow_exception(error_);
 }
 
@@ -167,9 +189,13 @@ void ProgressEngine::on_failure() {
 
 std::shared_ptr<TaskWork> ProgressEngine::submit(std::unique_ptr<Task> task,
                                                  std::vector<at::Tensor> outputs, bool blocking) {
-  if (state_->broken()) state_->check_usable(task->what().str());
-  auto work = std::make_shared<TaskWork>(task->what(), std::move(outputs));
+  auto work = std::make_shared<TaskWork>(task->what(), std::move(outputs), state_, timeout_);
   std::unique_lock<std::mutex> lock(mu_);
+  // Under mu_: loop() fails the queue and returns holding it (Note [Deadlines and failure]).
+  if (state_->broken()) {
+    lock.unlock();
+    state_->check_usable(task->what().str());
+  }
   if (stop_) {
     throw CommError(concat(task->what().str(), " is refused: the communicator was shut down"));
   }
@@ -214,6 +240,7 @@ void ProgressEngine::run_exclusive(const std::function<void()>& fn) {
 bool ProgressEngine::execute(Task& task, bool on_caller) {
   const int spin_limit = on_caller ? policy_.inline_spins : policy_.thread_spins;
   const auto deadline = Clock::now() + timeout_;  // See Note [Deadlines and failure].
+  state_->note_start();
   task.start();
   int spins = 0;
   uint64_t polls = 0, seen = task.progress();

@@ -89,9 +89,16 @@ class FailureState {
   void check_usable(const std::string& op) const;
   std::string timeout_message(const OpDesc& what, std::chrono::milliseconds timeout) const;
   void set_waker(std::function<void()> waker);
+  // When the engine last started an op: the engine's pulse, from which TaskWork::wait() bounds
+  // its wait (Note [Deadlines and failure]).
+  void note_start() { last_start_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed); }
+  Clock::time_point last_start() const {
+    return Clock::time_point(Clock::duration(last_start_.load(std::memory_order_relaxed)));
+  }
 
  private:
   const std::string group_info_;  // "members of 'dp' (world ranks): [0, 1]"
+  std::atomic<Clock::rep> last_start_{0};
   std::atomic<bool> broken_{false};
   mutable std::mutex mu_;
   std::string reason_;
@@ -105,9 +112,12 @@ void keep_forever(std::shared_ptr<const void> what);
 // The Work of an op executed by the engine. Holds the op's output tensors (result()).
 class TaskWork final : public Work {
  public:
-  TaskWork(OpDesc what, std::vector<at::Tensor> outputs)
-      : Work(std::move(outputs)), what_(std::move(what)) {}
+  TaskWork(OpDesc what, std::vector<at::Tensor> outputs, std::shared_ptr<FailureState> state,
+           std::chrono::milliseconds timeout)
+      : Work(std::move(outputs)), what_(std::move(what)), state_(std::move(state)), timeout_(timeout) {}
   void complete(std::exception_ptr error);
+  // Bounded: throws a CommError naming the op and rank, and breaks the communicator, when the
+  // engine neither completed nor failed the op by the deadline (Note [Deadlines and failure]).
   void wait() override;
   bool is_completed() override;
   std::exception_ptr exception() const override;
@@ -115,6 +125,8 @@ class TaskWork final : public Work {
 
  private:
   OpDesc what_;
+  std::shared_ptr<FailureState> state_;
+  std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
