@@ -485,6 +485,44 @@ def check_signals(args, failures):
                 proc.wait()
 
 
+def check_engine_failure(args, failures):
+    """A forward pass that throws (TORCHSPEED_INFERENCE_FAULT=step:5, the engine's test hook):
+    the request in flight gets 503 naming the failure (not a hang, not 429), and the server exits
+    1 so that a supervisor restarts it."""
+    port = free_port()
+    env = dict(os.environ, TORCHSPEED_INFERENCE_FAULT="step:5")
+    cmd = [args.torchspeed, "serve", "--checkpoint", args.model, "--port", str(port), "--weights", args.weights]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
+    old = CTX.port
+    CTX.port = port
+    try:
+        for _ in range(600):
+            try:
+                if http("GET", "/health", auth=False, timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        model = json.loads(http("GET", "/v1/models")[2])["data"][0]["id"]
+        status, _, body = http("POST", "/v1/completions", {"model": model, "prompt": "Once", "max_tokens": 50, "ignore_eos": True},
+                               timeout=30)
+        try:
+            rc = proc.wait(15)
+        except subprocess.TimeoutExpired:
+            rc = None
+        err = proc.stderr.read().decode(errors="replace") if rc is not None else ""
+        print(f"engine failure: HTTP {status} {body[:160]!r}; server exit {rc}", flush=True)
+        if status != 503 or b"engine failed" not in body:
+            failures.append(f"a request when the engine failed: HTTP {status} {body[:300]!r} (want 503 naming the failure)")
+        if rc != 1 or "inference engine failed" not in err:
+            failures.append(f"after the engine failed the server exited {rc} (want 1 with the failure on stderr): {err[-300:]!r}")
+    finally:
+        CTX.port = old
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def pct(xs, p):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * p))] if xs else float("nan")
@@ -582,6 +620,7 @@ def main():
             except subprocess.TimeoutExpired:
                 failures.append("the server did not stop within 30 s of SIGTERM")
         check_signals(args, failures)
+        check_engine_failure(args, failures)
         fig["failures"] = len(failures)
         print("soak: " + json.dumps(fig), flush=True)
         if args.json:

@@ -746,22 +746,35 @@ def _retry_after_ok(v):
 
 
 def _burst(count, max_tokens, n=1):
-    """Sends count streaming requests at once; returns a list of (status, headers, body/None)."""
+    """Sends count streaming requests at once; returns a list of (status, headers, body/None).
+
+    Every request but its last byte is sent first; then one thread sends the last bytes in a
+    tight loop, so all arrive within a fraction of a millisecond (with threads each sending a
+    whole request, the GIL and two busy tensor-parallel ranks spread the arrivals over longer
+    than the engine takes to finish a request, and the queue never filled)."""
     # ignore_eos: every choice runs its whole max_tokens, so the first requests still hold the
     # queue when the last arrive.
     body = completions_body(prompt="Hi", max_tokens=max_tokens, temperature=1.0, stream=True, n=n, ignore_eos=True)
     data = _encode(body)
     hdrs = _headers(data, None, True)
+    raw = (f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{CTX.port}\r\nContent-Length: {len(data)}\r\n" +
+           "".join(f"{k}: {v}\r\n" for k, v in hdrs.items()) + "\r\n").encode() + data
     streams = [RawStream(CTX.port, "POST", "/v1/completions", data, hdrs) for _ in range(count)]
+    for st in streams:
+        st.sock.sendall(raw[:-1])
+    time.sleep(0.2)
+    for st in streams:
+        st.sock.sendall(raw[-1:])
     results = [None] * count
-    start = threading.Barrier(count, timeout=HTTP_TIMEOUT)
     release = threading.Event()
 
     def worker(i):
         st = streams[i]
         try:
-            start.wait()
-            st.send()
+            st.resp = http.client.HTTPResponse(st.sock, method="POST")
+            st.resp.begin()
+            st.status = st.resp.status
+            st.resp_headers = {k.lower(): v for k, v in st.resp.getheaders()}
             if st.status == 200:
                 results[i] = (200, st.resp_headers, None)  # the stream is left unread
             else:
@@ -796,7 +809,10 @@ def check_full_queue_429():
     count = 8
     max_tokens = tokens_for(2, CTX.max_len - 8)
     seen_429, summary = False, []
-    for attempt in range(3):
+    # Up to 20 bursts: with -n 2 on a 2-core machine both ranks keep their cores busy, and a woken
+    # HTTP worker may wait a scheduler slice (~17 ms measured) for one, longer than the tiny model
+    # takes to finish a request, so a burst's requests can be submitted one after another.
+    for attempt in range(20):
         wait_idle(30.0, "before the burst")
         results = _burst(count, max_tokens, n=MAX_QUEUE)
         statuses = [r[0] if r else "no answer" for r in results]

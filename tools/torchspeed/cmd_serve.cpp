@@ -208,6 +208,11 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     engine.run();
     g_stop = true;  // the loop also ends on a fatal error: stop serving then too
     stopper.join();
+    if (engine.failed()) {
+      // A supervisor (systemd, Kubernetes) restarts a server that exits non-zero.
+      std::fprintf(stderr, "torchspeed serve: the inference engine failed: %s\n", engine.failure().c_str());
+      return 1;
+    }
     std::printf("torchspeed serve: stopped\n");
     return 0;
   };

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "torchspeed/data/text.h"
@@ -70,7 +71,13 @@ Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& optio
   TS_CHECK(options_.max_num_seqs() > 0, "--max-num-seqs must be positive, got ", options_.max_num_seqs());
   TS_CHECK(options_.max_num_batched_tokens() > 0, "--max-batched-tokens must be positive, got ",
            options_.max_num_batched_tokens());
-  TS_CHECK(options_.max_queue() >= 0, "--max-queue must not be negative, got ", options_.max_queue());
+  TS_CHECK(options_.max_queue() >= 1, "--max-queue must be at least 1 (a request's choices wait there before they run), got ",
+           options_.max_queue());
+  // Test hook (the server's failure tests): TORCHSPEED_INFERENCE_FAULT=step:N makes the N-th
+  // forward pass throw, as a failed TP peer or an allocation would.
+  if (const char* f = std::getenv("TORCHSPEED_INFERENCE_FAULT"); f && std::string(f).rfind("step:", 0) == 0) {
+    fault_step_ = std::strtoull(f + 5, nullptr, 10);
+  }
   const int64_t full = blocks_for(model_->config().seq_len, cache_->block_size());
   TS_CHECK(cache_->num_blocks() >= full, "--kv-cache-mb ", options_.kv().budget_mb(), " holds ", cache_->num_blocks(),
            " blocks of ", cache_->block_size(), " tokens; one sequence of the model's full context (",
@@ -304,6 +311,9 @@ bool Engine::step() {
   const bool work = schedule(plan, order);
   if (work) {
     const auto t0 = Clock::now();
+    if (fault_step_ > 0 && ls_.steps + 1 == fault_step_) {
+      throw std::runtime_error(concat("injected failure of forward pass ", fault_step_, " (TORCHSPEED_INFERENCE_FAULT)"));
+    }
     send_plan(&plan);
     const at::Tensor logits = model_->forward(plan, *cache_);
     const int64_t vocab = logits.size(1);

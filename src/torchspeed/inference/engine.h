@@ -157,6 +157,7 @@ class Engine {
   bool stopping_ = false, drain_ = true, followers_stopped_ = false;
   bool loop_running_ = false;
   std::atomic<bool> failed_{false};
+  uint64_t fault_step_ = 0;  // TORCHSPEED_INFERENCE_FAULT=step:N (tests)
   std::string failure_;
   std::atomic<int64_t> queued_{0};  // inbox + waiting
   EngineStats stats_;  // what stats() returns, copied from ls_ after each step
