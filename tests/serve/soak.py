@@ -394,9 +394,23 @@ def wait_idle(timeout):
     return False, m
 
 
+def wait_healthy(proc, tries=600):
+    """True once /health on CTX.port answers 200; False if the server exits or 60 s pass."""
+    for _ in range(tries):
+        try:
+            if http("GET", "/health", auth=False, timeout=2)[0] == 200:
+                return True
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return False
+
+
 def check_cancellation(failures):
     """A client that leaves a request (non-streamed, then streamed) frees its sequences and KV
-    blocks at once: within 0.5 s, far fewer tokens generated than asked."""
+    blocks on the engine's next step, far fewer tokens generated than asked."""
     for stream in (False, True):
         before = metrics()
         s = connect()
@@ -408,10 +422,11 @@ def check_cancellation(failures):
             time.sleep(0.02)
         time.sleep(0.3)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        steps0 = metrics()["torchspeed_engine_steps_total"]
         s.close()
         t0 = time.monotonic()
         freed = False
-        while time.monotonic() - t0 < 0.5:
+        while time.monotonic() - t0 < 10:
             m = metrics()
             if m["torchspeed_requests_running"] == 0 and m["torchspeed_kv_blocks_used"] == 0:
                 freed = True
@@ -419,11 +434,14 @@ def check_cancellation(failures):
             time.sleep(0.01)
         took = time.monotonic() - t0
         m = metrics()
+        # Freed on the engine's next step: the one running when the client left, and the next.
+        steps = m["torchspeed_engine_steps_total"] - steps0
         generated = m["torchspeed_generated_tokens_total"] - before["torchspeed_generated_tokens_total"]
         what = "streamed" if stream else "non-streamed"
-        print(f"cancellation ({what}): freed in {took * 1000:.0f} ms, {generated:.0f} of 1600 tokens generated", flush=True)
-        if not freed:
-            failures.append(f"{what} request left by its client: still running/holding blocks 0.5 s later ({m})")
+        print(f"cancellation ({what}): freed in {took * 1000:.0f} ms and {steps:.0f} engine steps, "
+              f"{generated:.0f} of 1600 tokens generated", flush=True)
+        if not freed or steps > 2:
+            failures.append(f"{what} request left by its client: freed {freed}, after {steps:.0f} engine steps ({m})")
         if generated >= 1600:
             failures.append(f"{what} request left by its client: all {generated:.0f} tokens were generated")
 
@@ -439,13 +457,7 @@ def check_signals(args, failures):
         old = CTX.port
         CTX.port = port
         try:
-            for _ in range(600):
-                try:
-                    if http("GET", "/health", auth=False, timeout=2)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.1)
+            wait_healthy(proc)
             s = connect()
             model = json.loads(http("GET", "/v1/models")[2])["data"][0]["id"]
             s.sendall(request_bytes("POST", "/v1/completions", {"model": model, "prompt": "Once", "max_tokens": 4000,
@@ -496,13 +508,7 @@ def check_engine_failure(args, failures):
     old = CTX.port
     CTX.port = port
     try:
-        for _ in range(600):
-            try:
-                if http("GET", "/health", auth=False, timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(proc)
         model = json.loads(http("GET", "/v1/models")[2])["data"][0]["id"]
         status, _, body = http("POST", "/v1/completions", {"model": model, "prompt": "Once", "max_tokens": 50, "ignore_eos": True},
                                timeout=30)
@@ -548,16 +554,9 @@ def main():
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     ok = False
     try:
-        for _ in range(600):
-            try:
-                if http("GET", "/health", auth=False, timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None:
-                print("FAIL the server exited while loading", flush=True)
-                return 1
-            time.sleep(0.1)
+        if not wait_healthy(proc):
+            print("FAIL the server did not become healthy (exited or 60 s passed)", flush=True)
+            return 1
         status, _, body = http("GET", "/v1/models")
         CTX.model = json.loads(body)["data"][0]["id"]
 
