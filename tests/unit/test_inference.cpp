@@ -92,6 +92,71 @@ TEST(BlockPool, ExactAccounting) {
   EXPECT_THROW(pool.release(again), torchspeed::Error);  // a double free is caught
 }
 
+TEST(BlockPool, PrefixCacheSharesFullBlocksAndEvictsLeastRecentlyReleased) {
+  BlockPool pool(6, 4);
+  ASSERT_TRUE(pool.caching());
+  std::vector<int64_t> toks;
+  for (int64_t i = 0; i < 14; ++i) toks.push_back(100 + i);
+  auto a = pool.allocate(3);
+  uint64_t key = 0;
+  std::vector<uint64_t> keys;
+  for (size_t i = 0; i < 3; ++i) keys.push_back(key = pool.publish(key, toks.data() + 4 * i, a[i]));
+  EXPECT_EQ(pool.cached_blocks(), 3);
+  // The same tokens published from another block: the first block stays the prefix's, the other
+  // unpublished (its key is the existing one).
+  auto dup = pool.allocate(1);
+  EXPECT_EQ(pool.publish(0, toks.data(), dup[0]), keys[0]);
+  EXPECT_EQ(pool.cached_blocks(), 3);
+  pool.release(dup);
+  // A second sequence with the same first 12 tokens shares the three blocks.
+  std::vector<uint64_t> got_keys;
+  auto shared = pool.match(toks, 3, got_keys);
+  EXPECT_EQ(shared, a);
+  EXPECT_EQ(got_keys, keys);
+  EXPECT_EQ(pool.used(), 3);  // a and the match hold the same 3 blocks
+  pool.release(a);
+  EXPECT_EQ(pool.used(), 3);  // still referenced by the match
+  pool.release(shared);
+  EXPECT_EQ(pool.used(), 0);
+  EXPECT_EQ(pool.free(), 6);  // cached blocks count as free
+  // At most max_blocks, and only as far as the tokens agree: block 1's tokens after another
+  // first block are another prefix.
+  auto first = pool.match(toks, 1, got_keys);
+  EXPECT_EQ(first, std::vector<int32_t>{a[0]});
+  pool.release(first);
+  auto changed = toks;
+  changed[5] = 7;
+  auto part = pool.match(changed, 3, got_keys);
+  EXPECT_EQ(part, std::vector<int32_t>{a[0]});
+  EXPECT_EQ(pool.used(), 1);
+  pool.release(part);
+  std::vector<int64_t> shifted(toks.begin() + 4, toks.end());
+  EXPECT_TRUE(pool.match(shifted, 2, got_keys).empty());
+  EXPECT_EQ(pool.used(), 0);
+  // Allocation takes the 3 empty blocks first, then evicts the cached ones, the sequence's tail
+  // (released first) before its head.
+  auto fresh = pool.allocate(3);
+  EXPECT_EQ(pool.cached_blocks(), 3);
+  auto one = pool.allocate(1);
+  EXPECT_EQ(one[0], a[2]);
+  EXPECT_EQ(pool.cached_blocks(), 2);
+  EXPECT_EQ(pool.match(toks, 3, got_keys).size(), 2u);  // blocks 0 and 1 are still there
+  std::vector<int32_t> held = {a[0], a[1]};
+  pool.release(held);
+  auto rest = pool.allocate(2);
+  EXPECT_EQ(pool.cached_blocks(), 0);
+  EXPECT_TRUE(pool.match(toks, 3, got_keys).empty());
+  EXPECT_EQ(pool.free(), 0);
+  ts_test::expect_error([&] { pool.allocate(1); }, "asked for 1 blocks, 0 of 6 are free");
+  pool.release(fresh);
+  pool.release(one);
+  pool.release(rest);
+  EXPECT_EQ(pool.free(), 6);
+  BlockPool off(4);
+  EXPECT_FALSE(off.caching());
+  EXPECT_TRUE(off.match(toks, 3, got_keys).empty());
+}
+
 TEST(KVCache, SlotsFollowTheBlockTable) {
   std::vector<int64_t> slots;
   append_slots({5, 2}, 4, 2, 7, slots);
@@ -513,6 +578,56 @@ TEST(Engine, Bf16TokensDoNotDependOnBatchingOrChunks) {
     // forward passes no row to the head; a crash in serve before this test existed).
     const auto alone_chunked = run_requests(f, bf16_kv(opts(7, 1)), {4}, false, nullptr, fmt);
     EXPECT_EQ(alone_chunked[0].tokens, alone[4].tokens) << weight_format_name(fmt);
+  }
+}
+
+// Note [Prefix caching]: requests that share a 24-token start (3 blocks of 8) give the same
+// tokens with the cache as without it, greedy and sampled, fp32 and bf16 weights, whether they
+// arrive together (the second computes what the first published in the same run) or one after
+// another; and the cache is used (hits counted).
+TEST(Engine, PrefixCacheGivesTheSameTokens) {
+  Fixture f;
+  std::vector<int64_t> system;
+  for (int k = 0; k < 24; ++k) system.push_back((k * 29 + 3) % 256);
+  auto prompt = [&](int i) {
+    std::vector<int64_t> p = system;
+    for (int k = 0; k < 3 + i % 7; ++k) p.push_back((i * 13 + k * 5 + 1) % 256);
+    return p;
+  };
+  for (WeightFormat fmt : {WeightFormat::kFP32, WeightFormat::kBF16}) {
+    auto model = std::make_shared<InferenceModel>(f.model, fmt);
+    for (bool sampled : {false, true}) {
+      auto run = [&](bool caching, bool one_by_one, EngineStats* st) {
+        Engine engine(model, opts(256, 16).prefix_caching(caching));
+        std::vector<std::vector<int64_t>> out(8);
+        for (int i = 0; i < 8; ++i) {
+          SamplingParams p;
+          p.temperature = sampled ? 0.8 : 0.0;
+          p.seed = 7 + i;
+          p.max_tokens = 10;
+          auto* o = &out[static_cast<size_t>(i)];
+          EXPECT_TRUE(engine.submit(prompt(i), p, [o](const RequestEvent& ev) {
+            for (const auto& t : ev.tokens) o->push_back(t.id);
+          }));
+          if (one_by_one) engine.run_until_idle();
+        }
+        engine.run_until_idle();
+        *st = engine.stats();
+        EXPECT_EQ(st->blocks_used, 0);
+        return out;
+      };
+      EngineStats off_st, seq_st, together_st;
+      const auto off = run(false, true, &off_st);
+      const auto seq = run(true, true, &seq_st);
+      const auto together = run(true, false, &together_st);
+      const std::string what = std::string(weight_format_name(fmt)) + (sampled ? " sampled" : " greedy");
+      EXPECT_EQ(seq, off) << what;
+      EXPECT_EQ(together, off) << what;
+      EXPECT_EQ(off_st.prefix_cache_hits, 0u);
+      EXPECT_EQ(seq_st.prefix_cache_hits, 7u * 24u) << what;  // every request after the first finds the system prompt
+      EXPECT_GT(seq_st.prefix_cache_queries, seq_st.prefix_cache_hits);
+      EXPECT_GT(seq_st.prefix_cache_blocks, 0);
+    }
   }
 }
 

@@ -35,6 +35,7 @@ struct Engine::Sequence {
   std::vector<int64_t> tokens;  // prompt, then generated
   int64_t prompt_len = 0, computed = 0, generated = 0;
   std::vector<int32_t> blocks;
+  std::vector<uint64_t> block_keys;  // prefix keys of blocks [0, size) (published or matched)
   SamplingParams params;
   Sampler sampler;
   TextStream text;
@@ -63,7 +64,7 @@ Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& optio
       options_(EngineOptions(options_in).kv(resolve_kv(options_in.kv(), *model_))),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       cache_(std::make_unique<KVCache>(model_->config().n_layer, model_->local_kv_heads(), model_->head_dim(), options_.kv())),
-      pool_(cache_->num_blocks()),
+      pool_(cache_->num_blocks(), options_.prefix_caching() ? cache_->block_size() : 0),
       tokenizer_(options_.tokenizer() ? options_.tokenizer() : std::make_shared<data::ByteTokenizer>()),
       eos_(tokenizer_->eos_id()) {
   TS_CHECK(tokenizer_->vocab_size() <= model_->config().vocab, "the tokenizer (", tokenizer_->source(), ") has ",
@@ -188,6 +189,7 @@ void Engine::preempt_last() {
   std::unique_ptr<Sequence> s = std::move(running_.back());
   running_.pop_back();
   pool_.release(s->blocks);
+  s->block_keys.clear();
   s->computed = 0;
   ++ls_.preemptions;
   waiting_.push_front(std::move(s));
@@ -238,8 +240,25 @@ bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
   // Waiting requests in arrival order (preempted ones first), while blocks and slots allow.
   while (budget > 0 && !waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs()) {
     Sequence& s = *waiting_.front();
+    const bool lookup = s.computed == 0 && pool_.caching() && !s.prompt_lp_pending;
+    if (lookup) {
+      // The longest cached run of whole blocks, leaving at least the last token to compute (its
+      // logits give the next token). Prompt logprobs need every prompt token's logits: no lookup.
+      const int64_t bs = cache_->block_size();
+      s.blocks = pool_.match(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, s.block_keys);
+      s.computed = static_cast<int64_t>(s.blocks.size()) * bs;
+    }
     const int64_t n = std::min(static_cast<int64_t>(s.tokens.size()) - s.computed, budget);
-    if (!ensure_blocks(s, s.computed + n)) break;
+    if (!ensure_blocks(s, s.computed + n)) {
+      pool_.release(s.blocks);  // the matched blocks wait in the cache with the sequence
+      s.block_keys.clear();
+      s.computed = 0;
+      break;
+    }
+    if (lookup) {
+      ls_.prefix_cache_queries += s.tokens.size();
+      ls_.prefix_cache_hits += static_cast<uint64_t>(s.computed);
+    }
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
     --queued_;
@@ -340,6 +359,13 @@ bool Engine::step() {
       }
       s.computed += nt;
       if (s.computed >= s.prompt_len) s.prompt_lp_pending = false;
+      if (pool_.caching()) {  // blocks that became full: published for later sequences
+        const int64_t bs = cache_->block_size();
+        for (auto i = static_cast<int64_t>(s.block_keys.size()); (i + 1) * bs <= s.computed; ++i) {
+          s.block_keys.push_back(pool_.publish(i > 0 ? s.block_keys[static_cast<size_t>(i - 1)] : 0,
+                                               s.tokens.data() + i * bs, s.blocks[static_cast<size_t>(i)]));
+        }
+      }
       if (s.computed == static_cast<int64_t>(s.tokens.size())) {
         GeneratedToken g;
         g.id = s.sampler.sample(L + (row + rows - 1) * vocab, vocab, &g.logprobs);
@@ -396,6 +422,7 @@ void Engine::publish_stats() {
   stats_.blocks_used = pool_.used();
   stats_.blocks_free = pool_.free();
   stats_.blocks_total = pool_.total();
+  stats_.prefix_cache_blocks = pool_.cached_blocks();
   stats_.block_size = cache_->block_size();
   if (tp_) {
     for (const auto& [name, st] : tp_->stats()) {

@@ -35,6 +35,9 @@ struct EngineOptions {
   TORCH_ARG(int64_t, max_num_batched_tokens) = 256;  // tokens in one forward pass
   TORCH_ARG(int64_t, max_queue) = 64;                // waiting requests before submit refuses
   TORCH_ARG(KVCacheOptions, kv) = KVCacheOptions();
+  // Full KV blocks shared between sequences that begin with the same tokens (Note [Prefix
+  // caching]); vLLM's --enable-prefix-caching, on by default as in vLLM's v1 engine.
+  TORCH_ARG(bool, prefix_caching) = true;
   // Token ids to text (and the end-of-text token that ends a sequence); null: bytes.
   TORCH_ARG(data::TokenizerPtr, tokenizer) = nullptr;
 };
@@ -67,6 +70,10 @@ struct Histogram {
 struct EngineStats {
   int64_t running = 0, waiting = 0, blocks_used = 0, blocks_free = 0, blocks_total = 0, block_size = 0;
   uint64_t requests_finished = 0, prompt_tokens = 0, generated_tokens = 0, preemptions = 0, steps = 0;
+  // Prefix caching: tokens looked up in the cache when a sequence was admitted, tokens found
+  // there (vLLM's prefix_cache_queries / prefix_cache_hits), and blocks published.
+  uint64_t prefix_cache_queries = 0, prefix_cache_hits = 0;
+  int64_t prefix_cache_blocks = 0;
   Histogram ttft, itl;
   double busy_seconds = 0;  // time spent in forward passes and sampling
   uint64_t tp_collectives = 0, tp_bytes = 0;  // this rank's ops on the tensor-parallel group

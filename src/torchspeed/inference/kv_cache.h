@@ -9,26 +9,73 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <optional>
+#include <unordered_map>
 #include <vector>
 
 namespace torchspeed::inference {
 
-// Hands out block ids [0, num_blocks). Exact accounting: used() + free() == total() always, a
-// block is never handed out twice, and freeing a block that is not in use is an internal error.
+// Hands out block ids [0, num_blocks), each with a reference count. Exact accounting: used() +
+// free() == total() always, a block is never handed out while referenced, and dropping a
+// reference nobody holds is an internal error.
+//
+// With prefix caching (`block_size` > 0; Note [Prefix caching]), a full block can be published
+// under the tokens it holds and the prefix before it; a later sequence that starts with the same
+// tokens takes a reference to it (`match`) instead of computing it again. A published block
+// nobody references stays cached, counted as free: allocation takes empty blocks first, then
+// evicts cached ones least recently released first.
 class BlockPool {
  public:
-  explicit BlockPool(int64_t num_blocks);
-  int64_t total() const { return static_cast<int64_t>(in_use_.size()); }
-  int64_t free() const { return static_cast<int64_t>(free_.size()); }
+  explicit BlockPool(int64_t num_blocks, int64_t block_size = 0);
+  int64_t total() const { return static_cast<int64_t>(refs_.size()); }
+  int64_t free() const { return static_cast<int64_t>(free_.size()) + evictable_; }
   int64_t used() const { return total() - free(); }
   bool can_allocate(int64_t n) const { return n <= free(); }
-  // Takes n blocks (lowest ids first, for locality); throws when fewer are free.
+  // Takes n blocks (empty ones first, lowest ids first for locality; then the least recently
+  // released cached ones, which leave the index), one reference each; throws when fewer are free.
   std::vector<int32_t> allocate(int64_t n);
-  void release(std::vector<int32_t>& blocks);  // empties `blocks`
+  // Drops one reference of each block, last to first (so that a sequence's tail is evicted
+  // before its head, which more requests share); empties `blocks`.
+  void release(std::vector<int32_t>& blocks);
+
+  // Prefix caching. `caching()`: whether it is on.
+  bool caching() const { return block_size_ > 0; }
+  // The published blocks that hold tokens[0, n * block_size) for the largest n <= max_blocks,
+  // one reference taken on each; `keys` gets each block's prefix key (for publish). 
+  std::vector<int32_t> match(const std::vector<int64_t>& tokens, int64_t max_blocks, std::vector<uint64_t>& keys);
+  // Publishes block `b` (referenced, full, never written again) as holding `tokens`
+  // [0, block_size) after the prefix `parent` (0: the sequence's start; else a key publish or
+  // match returned). Returns the key of the prefix that ends with this block; when that prefix
+  // is published already (another sequence computed it at the same time), its key, and `b`
+  // stays unpublished.
+  uint64_t publish(uint64_t parent, const int64_t* tokens, int32_t b);
+  int64_t cached_blocks() const { return static_cast<int64_t>(index_.size()); }  // published, referenced or not
 
  private:
-  std::vector<int32_t> free_;  // a stack: the most recently freed block is reused first
-  std::vector<bool> in_use_;
+  struct Key {
+    uint64_t parent = 0;
+    std::vector<int64_t> tokens;
+    bool operator==(const Key& o) const { return parent == o.parent && tokens == o.tokens; }
+  };
+  struct KeyHash {
+    uint64_t seed = 0;
+    size_t operator()(const Key& k) const;
+  };
+  struct Entry {
+    uint64_t id = 0;
+    int32_t block = -1;
+  };
+  void retain(int32_t b);
+  void lru_unlink(int32_t b);
+  int64_t block_size_ = 0;
+  std::vector<int32_t> refs_;
+  std::vector<int32_t> free_;  // empty blocks, a stack: the most recently freed is reused first
+  // Published blocks nobody references, a list in release order (prev_/next_, head at total()).
+  std::vector<int32_t> prev_, next_;
+  int64_t evictable_ = 0;
+  std::unordered_map<Key, Entry, KeyHash> index_;
+  std::vector<std::optional<Key>> published_;  // per block: its key in index_
+  uint64_t next_id_ = 1;
 };
 
 struct KVCacheOptions {

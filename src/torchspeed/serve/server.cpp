@@ -54,6 +54,9 @@ std::string prometheus(const inference::EngineStats& s, const std::string& model
   counter("torchspeed_prompt_tokens_total", "Prompt tokens prefilled.", static_cast<double>(s.prompt_tokens));
   counter("torchspeed_generated_tokens_total", "Tokens generated.", static_cast<double>(s.generated_tokens));
   counter("torchspeed_preemptions_total", "Sequences preempted for lack of KV blocks.", static_cast<double>(s.preemptions));
+  counter("torchspeed_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache when sequences were admitted.", static_cast<double>(s.prefix_cache_queries));
+  counter("torchspeed_prefix_cache_hits_total", "Of those, tokens found cached (not computed again).", static_cast<double>(s.prefix_cache_hits));
+  gauge("torchspeed_prefix_cache_blocks", "KV blocks published in the prefix cache (shared or kept for reuse).", static_cast<double>(s.prefix_cache_blocks));
   counter("torchspeed_engine_steps_total", "Forward passes run.", static_cast<double>(s.steps));
   counter("torchspeed_engine_busy_seconds_total", "Seconds spent in forward passes and sampling.", s.busy_seconds);
   counter("torchspeed_tp_collectives_total", "Collectives rank 0 ran on the tensor-parallel group (plans included).", static_cast<double>(s.tp_collectives));
