@@ -631,6 +631,102 @@ TEST(Engine, PrefixCacheGivesTheSameTokens) {
   }
 }
 
+TEST(Speculative, NgramProposalsAndConfig) {
+  using V = std::vector<int64_t>;
+  // The latest earlier occurrence of the longest suffix: "1 2 3" occurs at 0 and 4; after the
+  // one at 4 come 9 9.
+  EXPECT_EQ(ngram_propose({1, 2, 3, 7, 1, 2, 3, 9, 9, 1, 2, 3}, 1, 3, 2), (V{9, 9}));
+  EXPECT_EQ(ngram_propose({1, 2, 3, 7, 1, 2, 3, 9, 9, 1, 2, 3}, 1, 3, 5), (V{9, 9, 1, 2, 3}));
+  EXPECT_EQ(ngram_propose({5, 6, 7, 8}, 1, 3, 4), V{});        // nothing repeats
+  EXPECT_EQ(ngram_propose({4, 1, 5, 2, 1}, 1, 3, 2), (V{5, 2}));  // only the 1-gram "1" occurs earlier
+  EXPECT_EQ(ngram_propose({4, 1, 5, 2, 1}, 2, 3, 2), V{});     // not when 2-grams are the least
+  EXPECT_EQ(ngram_propose({3, 3}, 1, 4, 4), (V{3}));            // up to the end of the sequence
+  EXPECT_EQ(ngram_propose({3}, 1, 4, 4), V{});
+  const auto o = SpeculativeOptions::from_json(R"({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})");
+  EXPECT_EQ(o.num_speculative_tokens(), 3);
+  EXPECT_EQ(o.prompt_lookup_min(), 2);
+  EXPECT_EQ(o.prompt_lookup_max(), 2);
+  ts_test::expect_error([] { SpeculativeOptions::from_json(R"({"method": "eagle", "num_speculative_tokens": 3})"); },
+                        "\"method\" \"eagle\" is not supported");
+  ts_test::expect_error([] { SpeculativeOptions::from_json(R"({"method": "ngram", "num_speculative_tokens": 3, "model": "x"})"); },
+                        "key \"model\" is not supported");
+  ts_test::expect_error([] { SpeculativeOptions::from_json(R"({"method": "ngram", "num_speculative_tokens": 0})"); },
+                        "\"num_speculative_tokens\" must be an integer in [1, 16]");
+  ts_test::expect_error([] { SpeculativeOptions::from_json(R"({"method": "ngram"})"); }, "\"num_speculative_tokens\" is required");
+  ts_test::expect_error([] { SpeculativeOptions::from_json("[1]"); }, "--speculative-config: a JSON object");
+  ts_test::expect_error(
+      [] { SpeculativeOptions::from_json(R"({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2})"); },
+      "prompt_lookup_min 3 exceeds prompt_lookup_max 2");
+}
+
+// Note [Speculative decoding]: greedy tokens and their logprobs are those of plain decoding,
+// alone and in a batch with sampled requests (which are not speculated on), for fp32 and bf16
+// weights; on repetitive prompts most drafts are accepted, and fewer steps are run.
+TEST(Engine, SpeculativeDecodingGivesThePlainTokens) {
+  Fixture f;
+  auto prompt = [](int i) {
+    std::vector<int64_t> p;
+    for (int r = 0; r < 3; ++r) {
+      for (int k = 0; k < 6 + i % 3; ++k) p.push_back((i * 31 + k * 7 + 2) % 256);
+    }
+    return p;
+  };
+  for (WeightFormat fmt : {WeightFormat::kFP32, WeightFormat::kBF16}) {
+    auto model = std::make_shared<InferenceModel>(f.model, fmt);
+    struct Out {
+      std::vector<int64_t> tokens;
+      std::vector<double> logprobs;
+      std::string reason;
+    };
+    auto run = [&](int64_t k, const std::vector<int>& which, EngineStats* st) {
+      EngineOptions o = opts(256, 16);
+      if (k > 0) o.speculative(SpeculativeOptions().num_speculative_tokens(k).prompt_lookup_max(3));
+      Engine engine(model, o);
+      std::vector<Out> out(which.size());
+      for (size_t i = 0; i < which.size(); ++i) {
+        SamplingParams p;
+        p.temperature = which[i] % 4 == 3 ? 0.9 : 0.0;  // every fourth sampled
+        p.seed = 3 + which[i];
+        p.max_tokens = 20 + which[i] % 7;
+        p.logprobs = 2;
+        Out* r = &out[i];
+        EXPECT_TRUE(engine.submit(prompt(which[i]), p, [r](const RequestEvent& ev) {
+          for (const auto& t : ev.tokens) {
+            r->tokens.push_back(t.id);
+            r->logprobs.push_back(t.logprobs.logprob);
+            for (const auto& [id, lp] : t.logprobs.top) r->logprobs.push_back(static_cast<double>(id) + lp);
+          }
+          if (ev.finished) r->reason = ev.finish_reason;
+        }));
+      }
+      engine.run_until_idle();
+      *st = engine.stats();
+      EXPECT_EQ(st->blocks_used, 0);
+      return out;
+    };
+    std::vector<int> all;
+    for (int i = 0; i < 12; ++i) all.push_back(i);
+    EngineStats plain_st, spec_st, alone_st;
+    const auto plain = run(0, all, &plain_st);
+    const auto spec = run(4, all, &spec_st);
+    for (size_t i = 0; i < all.size(); ++i) {
+      const std::string what = std::string(weight_format_name(fmt)) + " request " + std::to_string(i);
+      EXPECT_EQ(spec[i].tokens, plain[i].tokens) << what;
+      EXPECT_EQ(spec[i].logprobs, plain[i].logprobs) << what;
+      EXPECT_EQ(spec[i].reason, plain[i].reason) << what;
+      if (all[i] % 4 != 3) {
+        const auto alone = run(4, {all[i]}, &alone_st);
+        EXPECT_EQ(alone[0].tokens, plain[i].tokens) << what << " alone";
+      }
+    }
+    EXPECT_EQ(plain_st.spec_draft_tokens, 0u);
+    EXPECT_GT(spec_st.spec_draft_tokens, 0u);
+    EXPECT_GT(spec_st.spec_accepted_tokens, 0u);
+    EXPECT_EQ(spec_st.generated_tokens, plain_st.generated_tokens);
+    EXPECT_LT(spec_st.steps, plain_st.steps);
+  }
+}
+
 TEST(Engine, SubmitAllQueuesEveryChoiceOrNone) {
   Fixture f;
   auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);

@@ -28,6 +28,7 @@ namespace torchspeed::cli {
 namespace {
 
 struct ServeOpts {
+  std::string speculative_config;
   std::string checkpoint, tokenizer, host = "127.0.0.1", api_key, model_name, weights = "auto", kv_dtype = "auto", stop_file;
   bool bf16_dot = true, prefix_caching = true;
   int port = 8000, ranks = 1, tp = 1, http_threads = 4, max_connections = 1024;
@@ -105,6 +106,8 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--block-size", o->block_size, "Tokens per KV block")->check(CLI::Range(1, 4096));
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->prefix_caching,
                 "Share the KV blocks of a common prompt start between requests (on by default, as vLLM's v1 engine)");
+  cmd->add_option("--speculative-config", o->speculative_config,
+                  "Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; greedy requests)");
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "Sequences batched in one forward pass")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-batched-tokens", o->max_batched_tokens, "Token budget of one forward pass (decodes + prompt chunks)")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--max-queue", o->max_queue, "Waiting sequences before requests get 429 (at least 1)")->check(CLI::Range(1, 1 << 20));
@@ -132,6 +135,9 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                                       .max_num_batched_tokens(o->max_batched_tokens)
                                       .max_queue(o->max_queue)
                                       .prefix_caching(o->prefix_caching)
+                                      .speculative(o->speculative_config.empty()
+                                                       ? inference::SpeculativeOptions()
+                                                       : inference::SpeculativeOptions::from_json(o->speculative_config))
                                       .kv(inference::KVCacheOptions().block_size(o->block_size).budget_mb(o->kv_mb).dtype(
                                           o->kv_dtype == "auto"   ? inference::default_kv_dtype(fmt)
                                           : o->kv_dtype == "bf16" ? at::kBFloat16
@@ -153,6 +159,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
       if (!o->tokenizer.empty()) lo.program.insert(lo.program.end(), {"--tokenizer", o->tokenizer});
       if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
       if (!o->prefix_caching) lo.program.push_back("--no-enable-prefix-caching");
+      if (!o->speculative_config.empty()) lo.program.insert(lo.program.end(), {"--speculative-config", o->speculative_config});
       // The key travels in the environment, not on a command line others can read.
       if (!o->api_key.empty()) lo.extra_env.push_back("TORCHSPEED_API_KEY=" + o->api_key);
       std::fflush(stdout);

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "torchspeed/data/text.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
@@ -29,6 +31,72 @@ std::vector<double> latency_buckets() {
 // Plan headers on the TP group: > 0 a plan of that many int64s follows, 0 keep-alive, -1 stop.
 constexpr int64_t kKeepAlive = 0, kStop = -1;
 }  // namespace
+
+// Note [Speculative decoding]
+// A decode step reads every weight to produce one token per sequence; at small batches it is
+// bound by those bytes, and k more rows cost little more than one. Speculative decoding guesses
+// k next tokens cheaply and verifies them in one forward pass: the chunk [last token, d1..dk]
+// gives logits after each; the model's own choice after the last token is taken, and while it
+// equals the next draft, the choice after that draft too. Every verified token is one the plain
+// decode would have produced: the chunk's rows run as decode rows (the same linear kernels, each
+// row's attention over the positions up to its own; SeqChunk::speculative), so their logits
+// have the bits a lone decode would give, and only greedy requests are speculated on (a sampled
+// token would need rejection sampling, which draws other random numbers than plain decoding).
+// Rejected drafts leave keys and values past the sequence's computed positions; they are
+// overwritten when those positions are computed. The guesses come from the sequence itself
+// (n-gram prompt lookup, vLLM's "ngram" method, llama.cpp's lookup decoding): the tokens that
+// followed the latest earlier occurrence of its last n tokens. Code and documents being edited
+// repeat themselves, and there most drafts are accepted. /metrics reports drafts and
+// acceptances.
+std::vector<int64_t> ngram_propose(const std::vector<int64_t>& tokens, int64_t min_n, int64_t max_n, int64_t k) {
+  const auto L = static_cast<int64_t>(tokens.size());
+  for (int64_t n = std::min(max_n, L - 1); n >= std::max<int64_t>(min_n, 1); --n) {
+    const int64_t* suffix = tokens.data() + L - n;
+    for (int64_t i = L - n - 1; i >= 0; --i) {
+      if (std::equal(suffix, suffix + n, tokens.data() + i)) {
+        const int64_t from = i + n, to = std::min(L, from + k);
+        if (from < to) return std::vector<int64_t>(tokens.begin() + from, tokens.begin() + to);
+      }
+    }
+  }
+  return {};
+}
+
+SpeculativeOptions SpeculativeOptions::from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  TS_CHECK(!j.is_discarded() && j.is_object(), "--speculative-config: a JSON object, e.g. {\"method\": \"ngram\", "
+           "\"num_speculative_tokens\": 4}");
+  SpeculativeOptions o;
+  auto integer = [&](const char* key, int64_t lo, int64_t hi) {
+    const auto& v = j.at(key);
+    TS_CHECK(v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi, "--speculative-config: \"", key,
+             "\" must be an integer in [", lo, ", ", hi, "], got ", v.dump());
+    return v.get<int64_t>();
+  };
+  for (const auto& [key, v] : j.items()) {
+    if (key == "method") {
+      TS_CHECK(v.is_string() && (v == "ngram"), "--speculative-config: \"method\" ", v.dump(),
+               " is not supported; \"ngram\" (prompt lookup) is");
+    } else if (key == "num_speculative_tokens") {
+      o.num_speculative_tokens(integer("num_speculative_tokens", 1, 16));
+    } else if (key == "prompt_lookup_max") {
+      o.prompt_lookup_max(integer("prompt_lookup_max", 1, 64));
+    } else if (key == "prompt_lookup_min") {
+      o.prompt_lookup_min(integer("prompt_lookup_min", 1, 64));
+    } else if (key == "disable_by_batch_size") {
+      o.disable_by_batch_size(integer("disable_by_batch_size", 1, 1 << 20));
+    } else {
+      TS_CHECK(false, "--speculative-config: key \"", key, "\" is not supported (known: method, num_speculative_tokens, "
+               "prompt_lookup_max, prompt_lookup_min, disable_by_batch_size)");
+    }
+  }
+  TS_CHECK(j.contains("method"), "--speculative-config: \"method\" is required (\"ngram\")");
+  TS_CHECK(j.contains("num_speculative_tokens"), "--speculative-config: \"num_speculative_tokens\" is required");
+  if (!j.contains("prompt_lookup_max") && j.contains("prompt_lookup_min")) o.prompt_lookup_max(o.prompt_lookup_min());
+  TS_CHECK(o.prompt_lookup_min() <= o.prompt_lookup_max(), "--speculative-config: prompt_lookup_min ", o.prompt_lookup_min(),
+           " exceeds prompt_lookup_max ", o.prompt_lookup_max());
+  return o;
+}
 
 struct Engine::Sequence {
   uint64_t id = 0;
@@ -198,6 +266,10 @@ void Engine::preempt_last() {
 
 bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
   int64_t budget = options_.max_num_batched_tokens();
+  const SpeculativeOptions& spec = options_.speculative();
+  const int64_t spec_k = spec.disable_by_batch_size() > 0 && static_cast<int64_t>(running_.size()) > spec.disable_by_batch_size()
+                             ? 0
+                             : spec.num_speculative_tokens();
   auto add = [&](Sequence& s, int64_t n) {
     SeqChunk c;
     c.start = s.computed;
@@ -225,7 +297,27 @@ bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
       preempt_last();  // s itself
       break;
     }
-    add(s, 1);
+    std::vector<int64_t> drafts;
+    if (spec_k > 0 && s.params.temperature <= 0 && !s.prompt_lp_pending) {
+      // Drafts within max_tokens, the context and the budget, with blocks that are free now.
+      const auto len = static_cast<int64_t>(s.tokens.size());
+      const int64_t k = std::min({spec_k, s.params.max_tokens - s.generated - 1, model_->config().seq_len - len, budget - 1});
+      if (k > 0) drafts = ngram_propose(s.tokens, spec.prompt_lookup_min(), spec.prompt_lookup_max(), k);
+      if (!drafts.empty() && !ensure_blocks(s, s.computed + 1 + static_cast<int64_t>(drafts.size()))) drafts.clear();
+    }
+    if (drafts.empty()) {
+      add(s, 1);
+      continue;
+    }
+    SeqChunk c;
+    c.start = s.computed;
+    c.tokens = {s.tokens.back()};
+    c.tokens.insert(c.tokens.end(), drafts.begin(), drafts.end());
+    c.blocks = s.blocks;
+    c.all_logits = c.want_logits = c.speculative = true;
+    budget -= static_cast<int64_t>(c.tokens.size());
+    plan.seqs.push_back(std::move(c));
+    order.push_back(&s);
   }
   // Then prompt chunks of running sequences, with the blocks that are free: preempting here
   // could take a sequence already planned above.
@@ -357,18 +449,10 @@ bool Engine::step() {
           s.prompt_lps.push_back(std::move(g));
         }
       }
-      s.computed += nt;
-      if (s.computed >= s.prompt_len) s.prompt_lp_pending = false;
-      if (pool_.caching()) {  // blocks that became full: published for later sequences
-        const int64_t bs = cache_->block_size();
-        for (auto i = static_cast<int64_t>(s.block_keys.size()); (i + 1) * bs <= s.computed; ++i) {
-          s.block_keys.push_back(pool_.publish(i > 0 ? s.block_keys[static_cast<size_t>(i - 1)] : 0,
-                                               s.tokens.data() + i * bs, s.blocks[static_cast<size_t>(i)]));
-        }
-      }
-      if (s.computed == static_cast<int64_t>(s.tokens.size())) {
+      // The next token from one row of logits; true when the sequence is finished.
+      auto take = [&](const float* logits_row) {
         GeneratedToken g;
-        g.id = s.sampler.sample(L + (row + rows - 1) * vocab, vocab, &g.logprobs);
+        g.id = s.sampler.sample(logits_row, vocab, &g.logprobs);
         s.tokens.push_back(g.id);
         ++s.generated;
         ++ls_.generated_tokens;
@@ -386,20 +470,49 @@ bool Engine::step() {
           s.stopped = s.text.append(g.id < tokenizer_->vocab_size() ? tokenizer_->token_bytes(g.id) : std::string());
         }
         s.new_tokens.push_back(std::move(g));
-        if (s.stopped || s.generated >= s.params.max_tokens ||
-            static_cast<int64_t>(s.tokens.size()) >= model_->config().seq_len) {
-          done.push_back(&s);
-        } else if (s.sink) {
-          RequestEvent ev;
-          ev.text = s.text.take(false);
-          ev.tokens = std::move(s.new_tokens);
-          s.new_tokens.clear();
-          ev.prompt = std::move(s.prompt_lps);
-          s.prompt_lps.clear();
-          ev.prompt_tokens = s.prompt_len;
-          ev.completion_tokens = s.generated;
-          deliver(s, ev);
+        return s.stopped || s.generated >= s.params.max_tokens ||
+               static_cast<int64_t>(s.tokens.size()) >= model_->config().seq_len;
+      };
+      bool finished = false, sampled = false;
+      if (c.speculative) {
+        // Note [Speculative decoding]: row k's input is valid while the drafts before it were
+        // the model's own choices; its logits give the next token.
+        ls_.spec_draft_tokens += static_cast<uint64_t>(nt - 1);
+        for (int64_t k = 0; k < nt && !finished; ++k) {
+          ++s.computed;
+          const int64_t want = k + 1 < nt ? c.tokens[static_cast<size_t>(k + 1)] : -1;
+          finished = take(L + (row + k) * vocab);
+          if (s.tokens.back() != want) break;
+          ++ls_.spec_accepted_tokens;
         }
+        sampled = true;
+      } else {
+        s.computed += nt;
+        if (s.computed >= s.prompt_len) s.prompt_lp_pending = false;
+        if (s.computed == static_cast<int64_t>(s.tokens.size())) {
+          finished = take(L + (row + rows - 1) * vocab);
+          sampled = true;
+        }
+      }
+      if (pool_.caching()) {  // blocks that became full: published for later sequences
+        const int64_t bs = cache_->block_size();
+        for (auto b = static_cast<int64_t>(s.block_keys.size()); (b + 1) * bs <= s.computed; ++b) {
+          s.block_keys.push_back(pool_.publish(b > 0 ? s.block_keys[static_cast<size_t>(b - 1)] : 0,
+                                               s.tokens.data() + b * bs, s.blocks[static_cast<size_t>(b)]));
+        }
+      }
+      if (finished) {
+        done.push_back(&s);
+      } else if (sampled && s.sink) {
+        RequestEvent ev;
+        ev.text = s.text.take(false);
+        ev.tokens = std::move(s.new_tokens);
+        s.new_tokens.clear();
+        ev.prompt = std::move(s.prompt_lps);
+        s.prompt_lps.clear();
+        ev.prompt_tokens = s.prompt_len;
+        ev.completion_tokens = s.generated;
+        deliver(s, ev);
       }
       row += rows;
     }

@@ -30,6 +30,26 @@
 
 namespace torchspeed::inference {
 
+// Speculative decoding (Note [Speculative decoding]), as vLLM's --speculative-config: n-gram
+// prompt lookup proposes up to num_speculative_tokens tokens for each greedy decode, and one
+// forward pass verifies them.
+struct SpeculativeOptions {
+  TORCH_ARG(int64_t, num_speculative_tokens) = 0;  // 0: off
+  TORCH_ARG(int64_t, prompt_lookup_max) = 4;       // the longest n-gram matched
+  TORCH_ARG(int64_t, prompt_lookup_min) = 1;       // the shortest
+  TORCH_ARG(int64_t, disable_by_batch_size) = 0;   // no drafts while more sequences run (0: no limit)
+  // (TORCH_ARG leaves the struct's members private.)
+ public:
+  // vLLM's JSON (`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`);
+  // a key we do not honour is refused by name.
+  static SpeculativeOptions from_json(const std::string& text);
+};
+
+// n-gram prompt lookup: the tokens that followed the latest earlier occurrence of the last n
+// tokens, for the largest n in [min_n, max_n] that occurs earlier; at most k of them (none when
+// no such n-gram occurs).
+std::vector<int64_t> ngram_propose(const std::vector<int64_t>& tokens, int64_t min_n, int64_t max_n, int64_t k);
+
 struct EngineOptions {
   TORCH_ARG(int64_t, max_num_seqs) = 16;             // sequences in one forward pass
   TORCH_ARG(int64_t, max_num_batched_tokens) = 256;  // tokens in one forward pass
@@ -38,6 +58,7 @@ struct EngineOptions {
   // Full KV blocks shared between sequences that begin with the same tokens (Note [Prefix
   // caching]); vLLM's --enable-prefix-caching, on by default as in vLLM's v1 engine.
   TORCH_ARG(bool, prefix_caching) = true;
+  TORCH_ARG(SpeculativeOptions, speculative) = SpeculativeOptions();
   // Token ids to text (and the end-of-text token that ends a sequence); null: bytes.
   TORCH_ARG(data::TokenizerPtr, tokenizer) = nullptr;
 };
@@ -74,6 +95,8 @@ struct EngineStats {
   // there (vLLM's prefix_cache_queries / prefix_cache_hits), and blocks published.
   uint64_t prefix_cache_queries = 0, prefix_cache_hits = 0;
   int64_t prefix_cache_blocks = 0;
+  // Speculative decoding: draft tokens proposed and verified, and how many were accepted.
+  uint64_t spec_draft_tokens = 0, spec_accepted_tokens = 0;
   Histogram ttft, itl;
   double busy_seconds = 0;  // time spent in forward passes and sampling
   uint64_t tp_collectives = 0, tp_bytes = 0;  // this rank's ops on the tensor-parallel group

@@ -23,7 +23,7 @@ std::vector<int64_t> StepPlan::serialize() const {
   std::vector<int64_t> f{static_cast<int64_t>(seqs.size())};
   for (const SeqChunk& s : seqs) {
     f.insert(f.end(), {s.start, static_cast<int64_t>(s.tokens.size()), static_cast<int64_t>(s.blocks.size()),
-                       (s.all_logits ? 1 : 0) | (s.want_logits ? 2 : 0)});
+                       (s.all_logits ? 1 : 0) | (s.want_logits ? 2 : 0) | (s.speculative ? 4 : 0)});
     f.insert(f.end(), s.tokens.begin(), s.tokens.end());
     f.insert(f.end(), s.blocks.begin(), s.blocks.end());
   }
@@ -44,6 +44,7 @@ StepPlan StepPlan::deserialize(const std::vector<int64_t>& f) {
     const int64_t nt = next(), nb = next(), flags = next();
     c.all_logits = flags & 1;
     c.want_logits = flags & 2;
+    c.speculative = flags & 4;
     for (int64_t k = 0; k < nt; ++k) c.tokens.push_back(next());
     for (int64_t k = 0; k < nb; ++k) c.blocks.push_back(static_cast<int32_t>(next()));
     p.seqs.push_back(std::move(c));
@@ -287,8 +288,13 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
   for (size_t s = 0; s < plan.seqs.size(); ++s) {
     const SeqChunk& c = plan.seqs[s];
     const int64_t t = static_cast<int64_t>(c.tokens.size()), L = c.start + t;
-    if (t == 1) {
-      decode.push_back({q[row].data_ptr<float>(), ctx_slots[s].data_ptr<int64_t>(), L, out[row].data_ptr<float>()});
+    if (t == 1 || c.speculative) {
+      // Each row over the positions up to its own, as if decoded alone (a verified draft token's
+      // row gets the bits its plain decode would).
+      for (int64_t i = 0; i < t; ++i) {
+        decode.push_back({q[row + i].data_ptr<float>(), ctx_slots[s].data_ptr<int64_t>(), c.start + i + 1,
+                          out[row + i].data_ptr<float>()});
+      }
     } else {
       // A prompt chunk: its queries against every cached position up to each query's own.
       at::Tensor K = kc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});  // [KV, L, hd]
@@ -326,9 +332,10 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
     TS_CHECK(c.start + t <= cfg_.seq_len, "positions up to ", c.start + t, " exceed the model's context of ",
              cfg_.seq_len);
     const int64_t row0 = static_cast<int64_t>(toks.size());
-    if (leading && t == 1) {
-      ++decode_rows;
-      if (c.want_logits) ++decode_logit_rows;
+    TS_INTERNAL_ASSERT(!c.speculative || (c.all_logits && c.want_logits), "a speculative chunk needs every row's logits");
+    if (leading && (t == 1 || c.speculative)) {
+      decode_rows += t;
+      if (c.want_logits) decode_logit_rows += c.all_logits ? t : 1;
     } else {
       leading = false;
     }

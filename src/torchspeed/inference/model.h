@@ -28,6 +28,10 @@ struct SeqChunk {
   std::vector<int32_t> blocks;  // the sequence's block table (covers start + tokens.size())
   bool all_logits = false;      // logits for every token of the chunk, not just the last
   bool want_logits = true;      // false: a prompt chunk that is not the prompt's end
+  // A decode token followed by draft tokens to verify (speculative decoding): every row is
+  // computed as a decode row (the row kernels, attention row by row over the positions up to
+  // its own), so each gets the bits it would get decoded alone. Needs all_logits.
+  bool speculative = false;
 };
 
 struct StepPlan {

@@ -57,6 +57,10 @@ std::string prometheus(const inference::EngineStats& s, const std::string& model
   counter("torchspeed_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache when sequences were admitted.", static_cast<double>(s.prefix_cache_queries));
   counter("torchspeed_prefix_cache_hits_total", "Of those, tokens found cached (not computed again).", static_cast<double>(s.prefix_cache_hits));
   gauge("torchspeed_prefix_cache_blocks", "KV blocks published in the prefix cache (shared or kept for reuse).", static_cast<double>(s.prefix_cache_blocks));
+  counter("torchspeed_spec_decode_draft_tokens_total", "Draft tokens proposed and verified (speculative decoding).", static_cast<double>(s.spec_draft_tokens));
+  counter("torchspeed_spec_decode_accepted_tokens_total", "Of those, tokens the model chose too (accepted).", static_cast<double>(s.spec_accepted_tokens));
+  gauge("torchspeed_spec_decode_acceptance_rate", "Accepted over proposed draft tokens since the start (0 before any).",
+        s.spec_draft_tokens ? static_cast<double>(s.spec_accepted_tokens) / static_cast<double>(s.spec_draft_tokens) : 0.0);
   counter("torchspeed_engine_steps_total", "Forward passes run.", static_cast<double>(s.steps));
   counter("torchspeed_engine_busy_seconds_total", "Seconds spent in forward passes and sampling.", s.busy_seconds);
   counter("torchspeed_tp_collectives_total", "Collectives rank 0 ran on the tensor-parallel group (plans included).", static_cast<double>(s.tp_collectives));
