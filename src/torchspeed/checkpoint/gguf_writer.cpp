@@ -68,7 +68,8 @@ int64_t encoded_bytes(Type type, int64_t n) {
     case Type::kF16:
     case Type::kBF16: return 2 * n;
     case Type::kQ8_0: return n / 32 * 34;
-    default: TS_CHECK(false, "GGUF writer: type ", type_name(static_cast<uint32_t>(type)), " is not written (F32, F16, BF16, Q8_0 are)");
+    case Type::kQ4_0: return n / 32 * 18;
+    default: TS_CHECK(false, "GGUF writer: type ", type_name(static_cast<uint32_t>(type)), " is not written (F32, F16, BF16, Q8_0, Q4_0 are)");
   }
   return 0;
 }
@@ -99,10 +100,53 @@ std::string encode(Type type, const float* x, int64_t n) {
       }
       break;
     }
+    case Type::kQ4_0: {
+      // quantize_row_q4_0_ref: d = the value of largest magnitude / -8; low nibbles hold values
+      // 0-15, high 16-31 (the same numbers as inference::quantize_q4_0 packs for its kernel).
+      TS_CHECK(n % 32 == 0, "GGUF writer: Q4_0 needs a multiple of 32 values, not ", n);
+      for (int64_t b = 0; b < n; b += 32) {
+        float amax = 0.f, max = 0.f;
+        for (int j = 0; j < 32; ++j) {
+          if (amax < std::fabs(x[b + j])) {
+            amax = std::fabs(x[b + j]);
+            max = x[b + j];
+          }
+        }
+        const float d = max / -8.f, id = d != 0.f ? 1.f / d : 0.f;
+        put<uint16_t>(out, c10::Half(d).x);
+        auto q = [&](int j) { return std::min(15, static_cast<int>(static_cast<int8_t>(x[b + j] * id + 8.5f))); };
+        for (int j = 0; j < 16; ++j) put<uint8_t>(out, static_cast<uint8_t>(q(j) | (q(16 + j) << 4)));
+      }
+      break;
+    }
     default: encoded_bytes(type, n);  // the error
   }
   return out;
 }
+
+namespace {
+
+uint32_t file_type(Type type) {
+  // llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7, MOSTLY_BF16 32.
+  switch (type) {
+    case Type::kF32: return 0;
+    case Type::kF16: return 1;
+    case Type::kQ4_0: return 2;
+    case Type::kQ8_0: return 7;
+    default: return 32;
+  }
+}
+
+Type tensor_type(Type file, const std::string& name, const at::Tensor& x) {
+  if (x.dim() == 1) return Type::kF32;
+  // Q4_0 files keep the embedding and the output matrix in Q8_0 (llama.cpp's quantize gives them
+  // more bits too); we serve the LM head of 4-bit models in int8.
+  if (file == Type::kQ4_0 && (name == "token_embd.weight" || name == "output.weight")) file = Type::kQ8_0;
+  if ((file == Type::kQ8_0 || file == Type::kQ4_0) && x.size(-1) % 32 != 0) return Type::kF16;
+  return file;
+}
+
+}  // namespace
 
 int64_t write(const std::string& path, const Metadata& metadata, const std::vector<OutTensor>& tensors) {
   std::string out;
@@ -140,6 +184,22 @@ int64_t write(const std::string& path, const Metadata& metadata, const std::vect
 
 std::string architecture_of(const nlohmann::json& m) {
   auto is = [&](const char* key, const std::string& want, const std::string& dflt) { return m.value(key, dflt) == want; };
+  // GPT-2 itself (learned positions, LayerNorm, a GELU MLP with biases): llama.cpp's "gpt2", whose
+  // GELU is the tanh approximation (HF GPT-2's gelu_new), so only a model trained with that one.
+  if (is("positions", "learned", "learned") && is("norm", "layernorm", "layernorm") && !is("activation", "swiglu", "gelu")) {
+    TS_CHECK(is("activation", "gelu_tanh", "gelu"), "convert --format gguf: model.activation is \"",
+             m.value("activation", std::string("gelu")), "\"; llama.cpp's gpt2 architecture computes GELU's tanh approximation ",
+             "(\"gelu_tanh\", HF GPT-2's gelu_new), not the exact GELU");
+    TS_CHECK(!m.value("qk_norm", false), "convert --format gguf: q/k norms in a GPT-2 model fit no llama.cpp architecture");
+    // Absent bias keys mean GPTConfig's default, GPT-2's: every linear has its bias.
+    TS_CHECK(m.value("qkv_bias", true) && m.value("attn_out_bias", true) && m.value("mlp_bias", true),
+             "convert --format gguf: llama.cpp's gpt2 architecture has a bias on every linear layer; this model lacks some");
+    const int64_t d = m.at("d_model").get<int64_t>(), heads = m.at("n_head").get<int64_t>();
+    TS_CHECK(m.value("n_kv_head", heads) == heads && m.value("head_dim", d / heads) == d / heads && m.value("d_ff", 4 * d) == 4 * d,
+             "convert --format gguf: llama.cpp's gpt2 architecture has n_kv_head = n_head, head_dim = d_model / n_head and ",
+             "d_ff = 4 d_model");
+    return "gpt2";
+  }
   TS_CHECK(is("positions", "rope", "learned"), "convert --format gguf: model.positions is \"",
            m.value("positions", std::string("learned")), "\"; GGUF is written for rotary-position decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM)");
   TS_CHECK(is("norm", "rmsnorm", "layernorm"), "convert --format gguf: model.norm is \"", m.value("norm", std::string("layernorm")),
@@ -165,9 +225,59 @@ std::string architecture_of(const nlohmann::json& m) {
   return "llama";
 }
 
+namespace {
+
+// llama.cpp's "gpt2": fused q/k/v (our qkv, rows q;k;v as HF's c_attn transposed), every linear
+// and norm with its bias, learned positions kept F32 as llama.cpp's converter keeps them.
+int64_t save_gpt2(const std::string& path, const NamedTensors& params, const nlohmann::json& m, Type type,
+                  const std::string& name, const Metadata& tokenizer) {
+  const int64_t d = m.at("d_model").get<int64_t>(), n_layer = m.at("n_layer").get<int64_t>();
+  Metadata md;
+  md.emplace_back("general.architecture", std::string("gpt2"));
+  md.emplace_back("general.name", name);
+  md.emplace_back("general.file_type", file_type(type));
+  if (type == Type::kQ8_0 || type == Type::kQ4_0) md.emplace_back("general.quantization_version", uint32_t{2});
+  md.emplace_back("gpt2.vocab_size", static_cast<uint32_t>(m.at("vocab").get<int64_t>()));
+  md.emplace_back("gpt2.context_length", static_cast<uint32_t>(m.at("seq_len").get<int64_t>()));
+  md.emplace_back("gpt2.embedding_length", static_cast<uint32_t>(d));
+  md.emplace_back("gpt2.block_count", static_cast<uint32_t>(n_layer));
+  md.emplace_back("gpt2.feed_forward_length", static_cast<uint32_t>(4 * d));
+  md.emplace_back("gpt2.attention.head_count", static_cast<uint32_t>(m.at("n_head").get<int64_t>()));
+  md.emplace_back("gpt2.attention.layer_norm_epsilon", static_cast<float>(m.value("layer_norm_eps", 1e-5)));
+  md.insert(md.end(), tokenizer.begin(), tokenizer.end());
+  std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
+  std::vector<OutTensor> ts;
+  auto add = [&](const std::string& n, const std::string& ours, bool keep_f32 = false) {
+    const auto it = by_name.find(ours);
+    TS_CHECK(it != by_name.end(), "convert --format gguf: the model has no parameter ", ours);
+    const at::Tensor x = it->second.to(at::kFloat);
+    ts.push_back({n, x, keep_f32 ? Type::kF32 : tensor_type(type, n, x)});
+  };
+  add("token_embd.weight", "embed.tok.weight");
+  add("position_embd.weight", "embed.pos.weight", true);
+  for (int64_t i = 0; i < n_layer; ++i) {
+    const std::string g = "blk." + std::to_string(i) + ".", b = "block" + std::to_string(i) + ".";
+    for (const char* wb : {"weight", "bias"}) {
+      add(g + "attn_norm." + wb, b + "ln1." + wb);
+      add(g + "attn_qkv." + wb, b + "qkv." + wb);
+      add(g + "attn_output." + wb, b + "attn_proj." + wb);
+      add(g + "ffn_norm." + wb, b + "ln2." + wb);
+      add(g + "ffn_up." + wb, b + "fc." + wb);
+      add(g + "ffn_down." + wb, b + "mlp_proj." + wb);
+    }
+  }
+  add("output_norm.weight", "head.ln_f.weight");
+  add("output_norm.bias", "head.ln_f.bias");
+  if (!m.value("tie_embeddings", true)) add("output.weight", "head.weight");  // tied: llama.cpp reuses token_embd
+  return write(path, md, ts);
+}
+
+}  // namespace
+
 int64_t save_gguf(const std::string& path, const NamedTensors& params, const nlohmann::json& m, Type type,
                   const std::string& name, const Metadata& tokenizer) {
   const std::string arch = architecture_of(m);
+  if (arch == "gpt2") return save_gpt2(path, params, m, type, name, tokenizer);
   const std::string p = arch + ".";
   const int64_t d = m.at("d_model").get<int64_t>(), heads = m.at("n_head").get<int64_t>();
   const int64_t kv = m.value("n_kv_head", heads), hd = m.value("head_dim", d / heads);
@@ -176,10 +286,8 @@ int64_t save_gguf(const std::string& path, const NamedTensors& params, const nlo
   Metadata md;
   md.emplace_back("general.architecture", arch);
   md.emplace_back("general.name", name);
-  // llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q8_0 7, MOSTLY_BF16 32.
-  const uint32_t ftype = type == Type::kF32 ? 0 : type == Type::kF16 ? 1 : type == Type::kQ8_0 ? 7 : 32;
-  md.emplace_back("general.file_type", ftype);
-  if (type == Type::kQ8_0) md.emplace_back("general.quantization_version", uint32_t{2});
+  md.emplace_back("general.file_type", file_type(type));
+  if (type == Type::kQ8_0 || type == Type::kQ4_0) md.emplace_back("general.quantization_version", uint32_t{2});
   md.emplace_back(p + "vocab_size", static_cast<uint32_t>(vocab));
   md.emplace_back(p + "context_length", static_cast<uint32_t>(m.at("seq_len").get<int64_t>()));
   md.emplace_back(p + "embedding_length", static_cast<uint32_t>(d));
@@ -206,10 +314,7 @@ int64_t save_gguf(const std::string& path, const NamedTensors& params, const nlo
   };
   std::vector<OutTensor> ts;
   auto add = [&](const std::string& n, const at::Tensor& x) {
-    Type t = type;
-    if (x.dim() == 1) t = Type::kF32;
-    if (t == Type::kQ8_0 && x.size(-1) % 32 != 0) t = Type::kF16;
-    ts.push_back({n, x, t});
+    ts.push_back({n, x, tensor_type(type, n, x)});
   };
   // llama.cpp's "llama" architecture rotates interleaved pairs: its converter permutes q and k
   // rows (the inverse of load_gguf's unpermute); qwen2/qwen3 rotate halves as we do.

@@ -2,9 +2,12 @@
 // here runs in llama.cpp (and what builds on it: ollama, LM Studio, llama-cpp-python). A decoder
 // with RMSNorm, SwiGLU and rotary positions becomes llama.cpp's "llama" architecture (Llama,
 // Mistral, SmolLM), "qwen2" (q/k/v biases) or "qwen3" (q/k norms), with llama.cpp's tensor names,
-// its q/k row permutation for "llama", and the tokenizer and chat template in the metadata.
-// Weights in F32, F16, BF16 or Q8_0 (ggml's block layout: 32 int8 and an fp16 scale, as
-// llama.cpp's quantize_row_q8_0_ref computes it); norms and biases stay F32 as llama.cpp keeps them.
+// its q/k row permutation for "llama", and the tokenizer and chat template in the metadata. GPT-2
+// (learned positions, LayerNorm, tanh-approximated GELU, biases) becomes llama.cpp's "gpt2".
+// Weights in F32, F16, BF16, Q8_0 (ggml's block layout: 32 int8 and an fp16 scale, as
+// llama.cpp's quantize_row_q8_0_ref computes it) or Q4_0 (32 nibbles and an fp16 scale, as
+// quantize_row_q4_0_ref; the embedding and output matrices in Q8_0); norms and biases stay F32 as
+// llama.cpp keeps them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,7 +29,7 @@ using Value = std::variant<uint32_t, int32_t, float, bool, std::string, uint64_t
                            std::vector<int32_t>, std::vector<float>>;
 using Metadata = std::vector<std::pair<std::string, Value>>;
 
-// `n` fp32 values as `type`'s bytes (F32, F16, BF16, Q8_0; n a multiple of 32 for Q8_0).
+// `n` fp32 values as `type`'s bytes (F32, F16, BF16, Q8_0, Q4_0; n a multiple of 32 for Q8_0, Q4_0).
 std::string encode(Type type, const float* x, int64_t n);
 
 // A GGUF v3 file from metadata and tensors (fp32 in torch's shape, each stored as its type),
@@ -39,8 +42,8 @@ struct OutTensor {
 int64_t write(const std::string& path, const Metadata& metadata, const std::vector<OutTensor>& tensors);
 
 // The llama.cpp architecture and metadata of a model section (our names); refused by key: a
-// model llama.cpp's decoders do not compute as we do (LayerNorm, learned positions, GELU, a bias
-// the architecture has no place for, llama3/yarn rope scaling).
+// model llama.cpp's decoders do not compute as we do (the exact GELU, a bias the architecture has
+// no place for, llama3/yarn rope scaling).
 std::string architecture_of(const nlohmann::json& model_section);
 
 // Writes `params` (our names) of a model with `model_section` as a GGUF model of `type` (2-D
