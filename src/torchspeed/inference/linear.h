@@ -1,5 +1,6 @@
-// Linear layers for serving, with weights in fp32, bf16 or int8 (weight-only, one fp32 scale per
-// output channel, as ZeroQuant / LLM.int8-style serving stores them). Computation is fp32
+// Linear layers for serving, with weights in fp32, bf16, int8 (weight-only, one fp32 scale per
+// output channel, as ZeroQuant / LLM.int8-style serving stores them) or 4-bit (ggml's Q4_0:
+// groups of 32 with an fp16 scale; Note [4-bit weights]). Computation is fp32
 // whatever the storage: the kernels read the compact weights and widen them in registers, so
 // decode, which is bound by the bytes of weights read per token, gets faster with the smaller
 // formats even on CPUs without bf16 arithmetic. See Note [Serving linear kernels].
@@ -14,9 +15,20 @@
 
 namespace torchspeed::inference {
 
-enum class WeightFormat { kFP32, kBF16, kInt8 };
-WeightFormat parse_weight_format(const std::string& s);  // "fp32" | "bf16" | "int8"
+enum class WeightFormat { kFP32, kBF16, kInt8, kQ4_0 };
+WeightFormat parse_weight_format(const std::string& s);  // "fp32" | "bf16" | "int8" | "q4_0"
 const char* weight_format_name(WeightFormat f);
+
+// ggml's Q4_0 quantization of w [N, K] (quantize_row_q4_0_ref: per group of 32 along k, d =
+// the value of largest magnitude / -8 rounded to fp16, q = min(15, trunc(x / d + 8.5))), packed
+// for q4_bf16_dot_rows: K padded with zeros to Kp (a multiple of kQ4Align), qs uint8 [N, Kp / 2]
+// (byte j of each 64 k: k = j low nibble, k = 32 + j high), d int16 [N, Kp / 32] (fp16 bits).
+struct Q4Weights {
+  at::Tensor qs, d;
+};
+Q4Weights quantize_q4_0(const at::Tensor& w);
+// The values the kernels multiply, fp32 [N, K]: bf16(d * (q - 8)) (Note [4-bit weights]).
+at::Tensor dequantize_q4_0(const Q4Weights& q, int64_t K);
 
 class ServingLinear {
  public:
@@ -24,7 +36,8 @@ class ServingLinear {
   // weight [out, in] (any floating dtype), bias [out] or undefined. `bf16_dot`: with bf16 or
   // int8 weights on a CPU with AVX512-BF16, round each input row to bf16 and multiply with bf16
   // dot products (int8 values are exact in bf16; fp32 accumulation and output; Note [bf16 dot
-  // products]); elsewhere, or false, widen the weights to fp32. `amx`: with bf16 dot products on a
+  // products]); elsewhere, or false, widen the weights to fp32 (q4_0 then keeps its values as bf16:
+  // the same numbers, without the 4-bit kernel). `amx`: with bf16 dot products on a
   // CPU with AMX-BF16, store the weights in tile order and multiply on AMX tiles (Note [AMX
   // tiles]; the same rounding, other bits); false keeps the dot products.
   ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot = false,
@@ -60,6 +73,7 @@ class ServingLinear {
   at::Tensor w_;      // [out, in] in the storage dtype (int8 for kInt8); amx_pack's order with amx_
   at::Tensor scale_;  // [out] fp32, kInt8 only
   at::Tensor sums_;   // int32 channel sums of the packed int8 weights (amx_channel_sums), kInt8 with amx_
+  at::Tensor q4_d_;   // kQ4_0 with bf16_dot_: fp16 group scales (w_ holds the nibbles, Q4Weights)
   at::Tensor bias_;   // [out] fp32 or undefined
 };
 

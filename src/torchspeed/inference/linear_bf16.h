@@ -57,4 +57,14 @@ void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uin
 void int8_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const int8_t* w, const float* scale, float* y,
                         const OutputStage& stage = {});
 
+// Q4_0 weights as quantize_q4_0 (linear.h) packs them, [N] channels of Kp = K rounded up to
+// kQ4Align: qs [N, Kp / 2] nibbles, d [N, Kp / 32] fp16 scale bits (Note [4-bit weights]):
+// y[r, o] = sum_k bf16(x[r, k]) * bf16(d * (q - 8)) in fp32, then `stage`. Requires
+// have_bf16_dot().
+constexpr int64_t kQ4Align = 64;
+void q4_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d, float* y,
+                      const OutputStage& stage = {});
+// The weights' values as bf16 bits, out [N, Kp]: what q4_bf16_dot_rows multiplies.
+void q4_build_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t Kp, uint16_t* out);
+
 }  // namespace torchspeed::inference
