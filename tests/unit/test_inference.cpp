@@ -241,34 +241,40 @@ TEST(InferenceModel, PagedForwardMatchesTheTrainingModel) {
   EXPECT_LT((all - ref).abs().max().item<double>(), 1e-4) << "max abs diff";
 }
 
-// A bf16 KV cache: keys and values rounded once when written. Decoding token by token (the
-// AVX-512 kernel reading bf16 slots) gives the logits of the whole sequence as one prompt chunk
-// (matmul attention over the same rounded keys and values), and stays near the fp32 model.
-TEST(InferenceModel, Bf16KVCacheDecodeMatchesPromptAttention) {
+// A bf16 or int8 KV cache: keys and values rounded once when written (int8: each (token, KV head)
+// row with its own scale). Decoding token by token (the AVX-512 kernel reading the slots) gives
+// the logits of the whole sequence as one prompt chunk (matmul attention over the same rounded
+// keys and values), and stays near the fp32 model.
+TEST(InferenceModel, RoundedKVCacheDecodeMatchesPromptAttention) {
   Fixture f;
   InferenceModel m(f.model, WeightFormat::kFP32);
-  const auto kvo = KVCacheOptions().block_size(8).budget_mb(1).dtype(at::kBFloat16);
-  EXPECT_EQ(KVCache::bytes_per_block(2, 4, 12, kvo) * 2, KVCache::bytes_per_block(2, 4, 12, KVCacheOptions().block_size(8)));
-  const auto toks = prompt_of(5, 40);
-  const std::vector<int32_t> table{3, 8, 1, 6, 4};
-  KVCache whole_cache(f.cfg.n_layer, m.local_kv_heads(), m.head_dim(), kvo);
-  StepPlan whole;
-  whole.seqs.push_back({0, toks, table, true, true});
-  const at::Tensor prompt = m.forward(whole, whole_cache);
-  KVCache cache(f.cfg.n_layer, m.local_kv_heads(), m.head_dim(), kvo);
-  std::vector<at::Tensor> got;
-  for (int64_t pos = 0; pos < 40; ++pos) {
-    StepPlan plan;
-    plan.seqs.push_back({pos, {toks[static_cast<size_t>(pos)]}, table, false, true});
-    got.push_back(m.forward(plan, cache));
+  const int64_t fp32_block = KVCache::bytes_per_block(2, 4, 12, KVCacheOptions().block_size(8));
+  EXPECT_EQ(KVCache::bytes_per_block(2, 4, 12, KVCacheOptions().block_size(8).dtype(at::kBFloat16)) * 2, fp32_block);
+  EXPECT_EQ(KVCache::bytes_per_block(2, 4, 12, KVCacheOptions().block_size(8).dtype(at::kChar)) * 3, fp32_block);  // 12 + 4 of 48
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kChar}) {
+    const std::string what = dtype == at::kChar ? "int8" : "bf16";
+    const auto kvo = KVCacheOptions().block_size(8).budget_mb(1).dtype(dtype);
+    const auto toks = prompt_of(5, 40);
+    const std::vector<int32_t> table{3, 8, 1, 6, 4};
+    KVCache whole_cache(f.cfg.n_layer, m.local_kv_heads(), m.head_dim(), kvo);
+    StepPlan whole;
+    whole.seqs.push_back({0, toks, table, true, true});
+    const at::Tensor prompt = m.forward(whole, whole_cache);
+    KVCache cache(f.cfg.n_layer, m.local_kv_heads(), m.head_dim(), kvo);
+    std::vector<at::Tensor> got;
+    for (int64_t pos = 0; pos < 40; ++pos) {
+      StepPlan plan;
+      plan.seqs.push_back({pos, {toks[static_cast<size_t>(pos)]}, table, false, true});
+      got.push_back(m.forward(plan, cache));
+    }
+    const at::Tensor decoded = at::cat(got, 0);
+    EXPECT_LT((decoded - prompt).abs().max().item<double>(), 1e-3) << what;
+    const at::Tensor ref = f.reference(toks);
+    const double diff = (decoded - ref).abs().max().item<double>(), scale = ref.abs().max().item<double>();
+    EXPECT_GT(diff, 0.0) << what;  // the rounding is real
+    EXPECT_LT(diff, 0.02 * scale) << what;
   }
-  const at::Tensor decoded = at::cat(got, 0);
-  EXPECT_LT((decoded - prompt).abs().max().item<double>(), 1e-3);
-  const at::Tensor ref = f.reference(toks);
-  const double diff = (decoded - ref).abs().max().item<double>(), scale = ref.abs().max().item<double>();
-  EXPECT_GT(diff, 0.0);  // the rounding is real
-  EXPECT_LT(diff, 0.02 * scale);
-  ts_test::expect_error([&] { KVCache c(2, 4, 12, KVCacheOptions().dtype(at::kHalf)); }, "fp32 or bf16");
+  ts_test::expect_error([&] { KVCache c(2, 4, 12, KVCacheOptions().dtype(at::kHalf)); }, "fp32, bf16 or int8");
 }
 
 TEST(InferenceModel, RefusesTensorsThatAreNotAGPTs) {
@@ -485,7 +491,8 @@ TEST(DecodeAttention, MatchesAReferenceForEveryHeadDimAndLength) {
         std::vector<DecodeAttentionItem> items;
         for (int64_t s = 0; s < 2; ++s) items.push_back({q[s].data_ptr<float>(), slots.data_ptr<int64_t>(), L, out[s].data_ptr<float>()});
         const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-        decode_attention(items.data(), 2, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16, heads, heads, hd, scale);
+        decode_attention(items.data(), 2, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16 ? KVType::kBF16 : KVType::kFP32,
+                         heads, heads, hd, scale);
         const at::Tensor K = keys.index_select(0, slots).to(at::kDouble).permute({1, 0, 2});  // [H, L, hd]
         const at::Tensor V = values.index_select(0, slots).to(at::kDouble).permute({1, 0, 2});
         for (int64_t s = 0; s < 2; ++s) {
@@ -499,6 +506,35 @@ TEST(DecodeAttention, MatchesAReferenceForEveryHeadDimAndLength) {
   at::set_num_threads(threads);
 }
 
+// An int8 cache: each (slot, KV head) row is q * scale; the kernel's output is attention over
+// those values (scores from the dot product times the key's scale, values times theirs), for
+// every head_dim the kernel dispatches and around its 16-key groups, with grouped-query heads.
+TEST(DecodeAttention, Int8RowsWithTheirScales) {
+  torch::manual_seed(11);
+  const int64_t heads = 6, kv_heads = 2, slots_n = 80;
+  for (int64_t hd : {16, 48, 64, 128, 40}) {  // 40: the portable loop
+    const at::Tensor keys = at::randint(-127, 128, {slots_n, kv_heads, hd}).to(at::kChar);
+    const at::Tensor values = at::randint(-127, 128, {slots_n, kv_heads, hd}).to(at::kChar);
+    const at::Tensor ks = at::rand({slots_n, kv_heads}) * 0.05, vs = at::rand({slots_n, kv_heads}) * 0.05;
+    for (int64_t L : {1, 16, 17, 70}) {
+      const at::Tensor slots = at::randperm(slots_n, at::kLong).narrow(0, 0, L).contiguous();
+      const at::Tensor q = at::randn({heads, hd});
+      at::Tensor out = at::full({heads, hd}, std::numeric_limits<float>::quiet_NaN());
+      DecodeAttentionItem item{q.data_ptr<float>(), slots.data_ptr<int64_t>(), L, out.data_ptr<float>()};
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      decode_attention(&item, 1, keys.data_ptr(), values.data_ptr(), KVType::kInt8, heads, kv_heads, hd, scale,
+                       ks.data_ptr<float>(), vs.data_ptr<float>());
+      const at::Tensor Kd = (keys.to(at::kDouble) * ks.to(at::kDouble).unsqueeze(2)).index_select(0, slots);
+      const at::Tensor Vd = (values.to(at::kDouble) * vs.to(at::kDouble).unsqueeze(2)).index_select(0, slots);
+      const at::Tensor K = Kd.permute({1, 0, 2}).repeat_interleave(heads / kv_heads, 0);
+      const at::Tensor V = Vd.permute({1, 0, 2}).repeat_interleave(heads / kv_heads, 0);
+      const at::Tensor att = at::matmul(K, q.to(at::kDouble).unsqueeze(2)).squeeze(2) * scale;
+      const at::Tensor ref = at::matmul(att.softmax(-1).unsqueeze(1), V).squeeze(1);
+      EXPECT_LT((out.to(at::kDouble) - ref).abs().max().item<double>(), 2e-5) << "hd " << hd << " L " << L;
+    }
+  }
+}
+
 TEST(DecodeAttention, GroupedQueryHeadsReadTheirGroupsKVHead) {
   torch::manual_seed(10);
   const int64_t heads = 6, kv_heads = 2, hd = 64, slots_n = 40, L = 37;
@@ -509,7 +545,8 @@ TEST(DecodeAttention, GroupedQueryHeadsReadTheirGroupsKVHead) {
     at::Tensor out = at::full({heads, hd}, std::numeric_limits<float>::quiet_NaN());
     DecodeAttentionItem item{q.data_ptr<float>(), slots.data_ptr<int64_t>(), L, out.data_ptr<float>()};
     const float scale = 0.125f;
-    decode_attention(&item, 1, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16, heads, kv_heads, hd, scale);
+    decode_attention(&item, 1, keys.data_ptr(), values.data_ptr(), dtype == at::kBFloat16 ? KVType::kBF16 : KVType::kFP32, heads,
+                     kv_heads, hd, scale);
     // Hugging Face's repeat_kv: query head h uses KV head h / (heads / kv_heads).
     const at::Tensor K = keys.index_select(0, slots).to(at::kDouble).permute({1, 0, 2}).repeat_interleave(heads / kv_heads, 0);
     const at::Tensor V = values.index_select(0, slots).to(at::kDouble).permute({1, 0, 2}).repeat_interleave(heads / kv_heads, 0);
@@ -591,18 +628,19 @@ TEST(Engine, TokensDoNotDependOnBatchingChunksOrPreemption) {
 // use the same dot products: one kernel for every row count, so a prompt chunk of any length
 // and any batch give the same tokens.
 TEST(Engine, Bf16TokensDoNotDependOnBatchingOrChunks) {
-  std::vector<WeightFormat> formats{WeightFormat::kBF16};
-  if (have_bf16_dot()) formats.push_back(WeightFormat::kInt8);
-  for (WeightFormat fmt : formats) {
+  // (weights, KV cache dtype): the int8 cache quantizes each row once, when written.
+  std::vector<std::pair<WeightFormat, at::ScalarType>> cases{{WeightFormat::kBF16, at::kBFloat16}, {WeightFormat::kBF16, at::kChar}};
+  if (have_bf16_dot()) cases.insert(cases.end(), {{WeightFormat::kInt8, at::kBFloat16}, {WeightFormat::kQ4_0, at::kBFloat16}});
+  for (const auto& [fmt, kv_dtype] : cases) {
     Fixture f;
     std::vector<int> all;
     for (int i = 0; i < 16; ++i) all.push_back(i);
     std::vector<Collected> alone;
     for (int i : all) {
-      alone.push_back(run_requests(f, opts(256, 1).kv(KVCacheOptions().block_size(8).budget_mb(4).dtype(at::kBFloat16)), {i},
+      alone.push_back(run_requests(f, opts(256, 1).kv(KVCacheOptions().block_size(8).budget_mb(4).dtype(kv_dtype)), {i},
                                    false, nullptr, fmt)[0]);
     }
-    auto bf16_kv = [](EngineOptions o) { return o.kv(KVCacheOptions(o.kv()).dtype(at::kBFloat16)); };
+    auto bf16_kv = [kv = kv_dtype](EngineOptions o) { return o.kv(KVCacheOptions(o.kv()).dtype(kv)); };
     const auto batched = run_requests(f, bf16_kv(opts(256, 16)), all, false, nullptr, fmt);
     const auto chunked = run_requests(f, bf16_kv(opts(7, 16)), all, false, nullptr, fmt);
     for (size_t i = 0; i < all.size(); ++i) {

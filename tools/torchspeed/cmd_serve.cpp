@@ -106,8 +106,9 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_flag("!--no-bf16-dot", o->bf16_dot,
                 "With bf16 or int8 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16) or AMX tiles (each linear's input rounded to bf16, or with int8 weights on AMX to 16-bit fixed point)");
   cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank (0: 256 MB, or two sequences of the model's whole context where that is more)")->check(CLI::Range(0.0, 1e7));
-  cmd->add_option("--kv-cache-dtype", o->kv_dtype, "KV cache dtype: auto (fp32 with fp32 weights, else bf16), fp32 or bf16")
-      ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
+  cmd->add_option("--kv-cache-dtype", o->kv_dtype,
+                  "KV cache dtype: auto (fp32 with fp32 weights, else bf16), fp32, bf16 or int8 (one scale per token and KV head, as llama.cpp's q8_0 cache)")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16", "int8"}));
   cmd->add_option("--block-size", o->block_size, "Tokens per KV block")->check(CLI::Range(1, 4096));
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->prefix_caching,
                 "Share the KV blocks of a common prompt start between requests (on by default, as vLLM's v1 engine)");
@@ -146,6 +147,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                                       .kv(inference::KVCacheOptions().block_size(o->block_size).budget_mb(o->kv_mb).dtype(
                                           o->kv_dtype == "auto"   ? inference::default_kv_dtype(fmt)
                                           : o->kv_dtype == "bf16" ? at::kBFloat16
+                                          : o->kv_dtype == "int8" ? at::kChar
                                                                   : at::kFloat));
     if (!launcher::under_launcher() && o->ranks > 1) {
       const std::string stop = (std::filesystem::temp_directory_path() / ("torchspeed-serve-" + std::to_string(::getpid()) + ".stop")).string();
@@ -209,7 +211,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     std::printf("torchspeed serve: ready in %.1f s: model \"%s\" (%.1fM parameters, %s weights%s, tp %d, tokenizer %s, chat template %s), context %lld, KV cache %.0f MB %s (%lld blocks of %lld tokens)\n",
                 load_s, o->model_name.c_str(), static_cast<double>(model->num_params()) / 1e6, o->weights.c_str(), model->amx() ? " on AMX tiles" : model->bf16_dot() ? " with bf16 dot products" : "", o->tp, eo.tokenizer()->source().c_str(),
                 chat->tmpl ? chat->source.c_str() : "torchspeed's (the model has none)",
-                static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0, eo.kv().dtype() == at::kBFloat16 ? "bf16" : "fp32",
+                static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0, eo.kv().dtype() == at::kBFloat16 ? "bf16" : eo.kv().dtype() == at::kChar ? "int8" : "fp32",
                 static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
     std::fflush(stdout);
     // The engine runs on this thread (the one that loaded the model: see Engine::run); a

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "torchspeed/inference/simd.h"
+#include "torchspeed/runtime/error.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,6 +62,18 @@ struct Chunks<uint16_t> {
   }
 };
 
+// int8 rows (their scale applied to the score and the value's weight, not here): 16 elements per
+// chunk, converted in order.
+template <>
+struct Chunks<int8_t> {
+  static constexpr int kElems = 16, kParts = 1;
+  TS_AVX512 static void load(const int8_t* p, __m512* v) {
+    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  TS_AVX512 static void split(const float* x, __m512* v) { v[0] = _mm512_loadu_ps(x); }
+  TS_AVX512 static void join(const __m512* v, float* out) { _mm512_storeu_ps(out, v[0]); }
+};
+
 // bf16 rows whose head_dim is an odd multiple of 16: 16 elements per chunk, widened in order.
 struct Bf16Chunks16 {
   static constexpr int kElems = 16, kParts = 1;
@@ -94,9 +107,13 @@ TS_AVX512 inline __m512 reduce16(const __m512* v) {
 // values with two sets of accumulators (even and odd positions, added at the end) so that the
 // FMA latency does not bound it. head_dim is a template parameter so that the accumulators can
 // live in registers (up to head_dim 128; beyond, the compiler spills some).
+// int8 rows (KT int8_t): ks / vs hold each slot's scale at slots[j] * srow (the row's KV head
+// already added); a key's 16-score group is multiplied by its keys' scales, a value's weight by
+// its scale.
 template <class KT, class C, int NC>
 TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, const int64_t* slots, int64_t L,
-                           int64_t row, float scale, float* p, float* o) {
+                           int64_t row, float scale, float* p, float* o, const float* ks, const float* vs, int64_t srow) {
+  constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
   constexpr int P = C::kParts, E = C::kElems;
   __m512 qv[NC][P];
   for (int c = 0; c < NC; ++c) {
@@ -135,7 +152,13 @@ TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, con
       acc[kSlot[m]] = a;
     }
     const __mmask16 m = L - j0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - j0)) - 1u);
-    _mm512_mask_storeu_ps(p + j0, m, reduce16(acc));
+    if constexpr (kInt8) {
+      alignas(64) float sc[16] = {};
+      for (int64_t i = 0; i < std::min<int64_t>(16, L - j0); ++i) sc[i] = ks[slots[j0 + i] * srow];
+      _mm512_mask_storeu_ps(p + j0, m, _mm512_mul_ps(reduce16(acc), _mm512_load_ps(sc)));
+    } else {
+      _mm512_mask_storeu_ps(p + j0, m, reduce16(acc));
+    }
   }
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < L; j += 16) {
@@ -159,7 +182,7 @@ TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, con
   auto accumulate = [&](int64_t j, __m512(&ov)[NC][P]) TS_AVX512 {
     prefetch(values, j + ahead);
     const KT* v = values + slots[j] * row;
-    const __m512 w = _mm512_set1_ps(p[j] * inv);
+    const __m512 w = _mm512_set1_ps(kInt8 ? p[j] * inv * vs[slots[j] * srow] : p[j] * inv);
     for (int c = 0; c < NC; ++c) {
       __m512 vv[P];
       C::load(v + E * c, vv);
@@ -181,10 +204,11 @@ TS_AVX512 void head_avx512(const float* q, const KT* keys, const KT* values, con
 // head_avx512 for this head_dim with chunks C (NC up to 16), or false.
 template <class KT, class C>
 TS_AVX512 bool head_dispatch_c(int64_t nc, const float* q, const KT* keys, const KT* values, const int64_t* slots,
-                               int64_t L, int64_t row, float scale, float* p, float* o) {
+                               int64_t L, int64_t row, float scale, float* p, float* o, const float* ks, const float* vs,
+                               int64_t srow) {
   switch (nc) {
 #define TS_HEAD_CASE(n) \
-  case n: head_avx512<KT, C, n>(q, keys, values, slots, L, row, scale, p, o); return true;
+  case n: head_avx512<KT, C, n>(q, keys, values, slots, L, row, scale, p, o, ks, vs, srow); return true;
     TS_HEAD_CASE(1) TS_HEAD_CASE(2) TS_HEAD_CASE(3) TS_HEAD_CASE(4) TS_HEAD_CASE(5) TS_HEAD_CASE(6) TS_HEAD_CASE(7)
     TS_HEAD_CASE(8) TS_HEAD_CASE(9) TS_HEAD_CASE(10) TS_HEAD_CASE(11) TS_HEAD_CASE(12) TS_HEAD_CASE(13)
     TS_HEAD_CASE(14) TS_HEAD_CASE(15) TS_HEAD_CASE(16)
@@ -197,14 +221,15 @@ TS_AVX512 bool head_dispatch_c(int64_t nc, const float* q, const KT* keys, const
 // halves), or of 16 when head_dim is an odd multiple of 16. Otherwise false.
 template <class KT>
 TS_AVX512 bool head_dispatch(int64_t hd, const float* q, const KT* keys, const KT* values, const int64_t* slots,
-                             int64_t L, int64_t row, float scale, float* p, float* o) {
+                             int64_t L, int64_t row, float scale, float* p, float* o, const float* ks, const float* vs,
+                             int64_t srow) {
   if (hd % 16 != 0 || hd > 256) return false;
-  if constexpr (std::is_same_v<KT, float>) {
-    return head_dispatch_c<KT, Chunks<float>>(hd / 16, q, keys, values, slots, L, row, scale, p, o);
+  if constexpr (std::is_same_v<KT, float> || std::is_same_v<KT, int8_t>) {
+    return head_dispatch_c<KT, Chunks<KT>>(hd / 16, q, keys, values, slots, L, row, scale, p, o, ks, vs, srow);
   } else if (hd % 32 == 0) {
-    return head_dispatch_c<KT, Chunks<uint16_t>>(hd / 32, q, keys, values, slots, L, row, scale, p, o);
+    return head_dispatch_c<KT, Chunks<uint16_t>>(hd / 32, q, keys, values, slots, L, row, scale, p, o, ks, vs, srow);
   } else {
-    return head_dispatch_c<KT, Bf16Chunks16>(hd / 16, q, keys, values, slots, L, row, scale, p, o);
+    return head_dispatch_c<KT, Bf16Chunks16>(hd / 16, q, keys, values, slots, L, row, scale, p, o, ks, vs, srow);
   }
 }
 
@@ -212,7 +237,9 @@ using simd::widen;
 
 template <class KT>
 void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const KT* keys, const KT* values,
-                        int64_t heads, int64_t kv_heads, int64_t hd, float scale) {
+                        int64_t heads, int64_t kv_heads, int64_t hd, float scale, const float* key_scales = nullptr,
+                        const float* value_scales = nullptr) {
+  constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
   const int64_t tasks = n_items * heads;
   const int64_t row = kv_heads * hd, group = heads / kv_heads;
   at::parallel_for(0, tasks, 1, [&](int64_t b, int64_t e) {
@@ -223,8 +250,10 @@ void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const
       const int64_t kvh = h / group;  // grouped-query attention: the query group's KV head
       const float* q = it.q + h * hd;
       p.resize(static_cast<size_t>(it.length));
+      const float* ks = kInt8 ? key_scales + kvh : nullptr;
+      const float* vs = kInt8 ? value_scales + kvh : nullptr;
       if (have_avx512() && head_dispatch<KT>(hd, q, keys + kvh * hd, values + kvh * hd, it.slots, it.length, row, scale,
-                                             p.data(), it.out + h * hd)) {
+                                             p.data(), it.out + h * hd, ks, vs, kv_heads)) {
         continue;
       }
       float mx = -INFINITY;
@@ -232,6 +261,7 @@ void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const
         const KT* k = keys + it.slots[j] * row + kvh * hd;
         float s = 0.0f;
         for (int64_t c = 0; c < hd; ++c) s += q[c] * widen(k[c]);
+        if constexpr (kInt8) s *= ks[it.slots[j] * kv_heads];
         s *= scale;
         p[static_cast<size_t>(j)] = s;
         mx = std::max(mx, s);
@@ -246,7 +276,7 @@ void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const
       for (int64_t c = 0; c < hd; ++c) o[c] = 0.0f;
       const float inv = 1.0f / sum;
       for (int64_t j = 0; j < it.length; ++j) {
-        const float w = p[static_cast<size_t>(j)] * inv;
+        const float w = kInt8 ? p[static_cast<size_t>(j)] * inv * vs[it.slots[j] * kv_heads] : p[static_cast<size_t>(j)] * inv;
         const KT* v = values + it.slots[j] * row + kvh * hd;
         for (int64_t c = 0; c < hd; ++c) o[c] += w * widen(v[c]);
       }
@@ -256,13 +286,22 @@ void decode_attention_t(const DecodeAttentionItem* items, int64_t n_items, const
 }  // namespace
 
 void decode_attention(const DecodeAttentionItem* items, int64_t n_items, const void* keys, const void* values,
-                      bool bf16, int64_t heads, int64_t kv_heads, int64_t hd, float scale) {
-  if (bf16) {
-    decode_attention_t(items, n_items, static_cast<const uint16_t*>(keys), static_cast<const uint16_t*>(values), heads,
-                       kv_heads, hd, scale);
-  } else {
-    decode_attention_t(items, n_items, static_cast<const float*>(keys), static_cast<const float*>(values), heads,
-                       kv_heads, hd, scale);
+                      KVType type, int64_t heads, int64_t kv_heads, int64_t hd, float scale, const float* key_scales,
+                      const float* value_scales) {
+  switch (type) {
+    case KVType::kFP32:
+      decode_attention_t(items, n_items, static_cast<const float*>(keys), static_cast<const float*>(values), heads,
+                         kv_heads, hd, scale);
+      break;
+    case KVType::kBF16:
+      decode_attention_t(items, n_items, static_cast<const uint16_t*>(keys), static_cast<const uint16_t*>(values), heads,
+                         kv_heads, hd, scale);
+      break;
+    case KVType::kInt8:
+      TS_INTERNAL_ASSERT(key_scales && value_scales, "decode_attention: an int8 cache needs its scales");
+      decode_attention_t(items, n_items, static_cast<const int8_t*>(keys), static_cast<const int8_t*>(values), heads,
+                         kv_heads, hd, scale, key_scales, value_scales);
+      break;
   }
 }
 

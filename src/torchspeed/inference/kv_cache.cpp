@@ -149,13 +149,15 @@ uint64_t BlockPool::publish(uint64_t parent, const int64_t* tokens, int32_t b) {
 }
 
 int64_t KVCache::bytes_per_block(int64_t n_layer, int64_t heads, int64_t head_dim, const KVCacheOptions& o) {
-  return 2 * n_layer * o.block_size() * heads * head_dim * static_cast<int64_t>(c10::elementSize(o.dtype()));
+  const int64_t scales = o.dtype() == at::kChar ? 4 : 0;  // int8: one fp32 scale per (slot, head)
+  return 2 * n_layer * o.block_size() * heads * (head_dim * static_cast<int64_t>(c10::elementSize(o.dtype())) + scales);
 }
 
 KVCache::KVCache(int64_t n_layer, int64_t heads, int64_t head_dim, const KVCacheOptions& o)
     : block_size_(o.block_size()), dtype_(o.dtype()) {
   TS_CHECK(o.block_size() > 0, "KV cache block size must be positive, got ", o.block_size());
-  TS_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "the KV cache holds fp32 or bf16, not ", dtype_);
+  TS_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16 || dtype_ == at::kChar, "the KV cache holds fp32, bf16 or int8, not ",
+           dtype_);
   const int64_t per_block = bytes_per_block(n_layer, heads, head_dim, o);
   num_blocks_ = static_cast<int64_t>(o.budget_mb() * 1024.0 * 1024.0) / per_block;
   TS_CHECK(num_blocks_ > 0, "--kv-cache-mb ", o.budget_mb(), " holds no block: one block of ", o.block_size(),
@@ -163,12 +165,17 @@ KVCache::KVCache(int64_t n_layer, int64_t heads, int64_t head_dim, const KVCache
   for (int64_t l = 0; l < n_layer; ++l) {
     k_.push_back(at::zeros({num_blocks_ * block_size_, heads, head_dim}, dtype_));
     v_.push_back(at::zeros({num_blocks_ * block_size_, heads, head_dim}, dtype_));
+    if (dtype_ == at::kChar) {
+      ks_.push_back(at::zeros({num_blocks_ * block_size_, heads}, at::kFloat));
+      vs_.push_back(at::zeros({num_blocks_ * block_size_, heads}, at::kFloat));
+    }
   }
 }
 
 int64_t KVCache::bytes() const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l) b += k_[l].nbytes() + v_[l].nbytes();
+  for (size_t l = 0; l < ks_.size(); ++l) b += ks_[l].nbytes() + vs_[l].nbytes();
   return b;
 }
 

@@ -81,13 +81,15 @@ class BlockPool {
 struct KVCacheOptions {
   TORCH_ARG(int64_t, block_size) = 16;      // token slots per block
   TORCH_ARG(double, budget_mb) = 256;       // bytes for keys and values of every layer
-  // fp32 or bf16 (half the bytes a decode step reads, twice the tokens in the budget; keys and
-  // values rounded once when written, attention computed in fp32).
+  // fp32, bf16 (half the bytes a decode step reads, twice the tokens in the budget; keys and
+  // values rounded once when written, attention computed in fp32) or int8 (kChar: a quarter of
+  // fp32's bytes and one fp32 scale per token and KV head, max |x| / 127, so each row is
+  // quantized once, when written, whatever else shares its block; attention in fp32).
   TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
 };
 
 // Keys and values of every layer: [num_blocks * block_size, heads, head_dim] each, in the
-// options' dtype.
+// options' dtype; int8 with their scales [num_blocks * block_size, heads] fp32.
 class KVCache {
  public:
   KVCache(int64_t n_layer, int64_t heads, int64_t head_dim, const KVCacheOptions& options);
@@ -97,12 +99,15 @@ class KVCache {
   int64_t bytes() const;
   at::Tensor& keys(int64_t layer) { return k_[static_cast<size_t>(layer)]; }
   at::Tensor& values(int64_t layer) { return v_[static_cast<size_t>(layer)]; }
+  // int8 only (else undefined): the scale of each (slot, head) row.
+  at::Tensor& key_scales(int64_t layer) { return ks_[static_cast<size_t>(layer)]; }
+  at::Tensor& value_scales(int64_t layer) { return vs_[static_cast<size_t>(layer)]; }
   at::ScalarType dtype() const { return dtype_; }
 
  private:
   int64_t block_size_, num_blocks_;
   at::ScalarType dtype_;
-  std::vector<at::Tensor> k_, v_;
+  std::vector<at::Tensor> k_, v_, ks_, vs_;
 };
 
 // Blocks needed to hold `tokens` token slots.

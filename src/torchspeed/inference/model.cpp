@@ -53,11 +53,23 @@ StepPlan StepPlan::deserialize(const std::vector<int64_t>& f) {
 }
 
 namespace {
+// One row of `n` values as int8 and its scale, max |x| / 127 (0 for a row of zeros): q =
+// round-to-nearest-even(x * 127 / max |x|).
+void quantize_row_int8(const float* x, int64_t n, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  *scale = amax / 127.0f;
+}
+
 // Keys and values of the step's rows (columns [ql, ql + kvl) and [ql + kvl, ql + 2 kvl) of qkv)
 // into their cache slots, as index_copy_ of qkv's slices converted to the cache's dtype would
-// write them (bf16: round to nearest even).
-void write_kv(const at::Tensor& qkv, int64_t ql, int64_t kvl, const std::vector<int64_t>& slots, at::Tensor& kc,
-              at::Tensor& vc) {
+// write them (bf16: round to nearest even; int8: each head's row with its scale).
+void write_kv(const at::Tensor& qkv, int64_t ql, int64_t kvl, const std::vector<int64_t>& slots, KVCache& cache,
+              int64_t layer) {
+  at::Tensor& kc = cache.keys(layer);
+  at::Tensor& vc = cache.values(layer);
   const float* src = qkv.data_ptr<float>();
   const int64_t ld = qkv.size(1), n = static_cast<int64_t>(slots.size());
   TS_INTERNAL_ASSERT(qkv.is_contiguous() && qkv.size(0) == n && ld == ql + 2 * kvl && kc.is_contiguous() &&
@@ -68,6 +80,19 @@ void write_kv(const at::Tensor& qkv, int64_t ql, int64_t kvl, const std::vector<
     for (int64_t r = 0; r < n; ++r) {
       std::memcpy(k + slots[r] * kvl, src + r * ld + ql, sizeof(float) * kvl);
       std::memcpy(v + slots[r] * kvl, src + r * ld + ql + kvl, sizeof(float) * kvl);
+    }
+    return;
+  }
+  if (kc.scalar_type() == at::kChar) {
+    const int64_t heads = kc.size(1), hd = kc.size(2);
+    int8_t *k = kc.data_ptr<int8_t>(), *v = vc.data_ptr<int8_t>();
+    float *ks = cache.key_scales(layer).data_ptr<float>(), *vs = cache.value_scales(layer).data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at_row = slots[r] * heads + h;
+        quantize_row_int8(src + r * ld + ql + h * hd, hd, k + at_row * hd, ks + at_row);
+        quantize_row_int8(src + r * ld + ql + kvl + h * hd, hd, v + at_row * hd, vs + at_row);
+      }
     }
     return;
   }
@@ -300,8 +325,14 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
       }
     } else {
       // A prompt chunk: its queries against every cached position up to each query's own.
-      at::Tensor K = kc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});  // [KV, L, hd]
-      at::Tensor V = vc.index_select(0, ctx_slots[s]).to(at::kFloat).permute({1, 0, 2});
+      at::Tensor K = kc.index_select(0, ctx_slots[s]).to(at::kFloat);  // [L, KV, hd]
+      at::Tensor V = vc.index_select(0, ctx_slots[s]).to(at::kFloat);
+      if (cache.dtype() == at::kChar) {  // each row times its scale, as the decode kernel reads it
+        K.mul_(cache.key_scales(layer).index_select(0, ctx_slots[s]).unsqueeze(2));
+        V.mul_(cache.value_scales(layer).index_select(0, ctx_slots[s]).unsqueeze(2));
+      }
+      K = K.permute({1, 0, 2});  // [KV, L, hd]
+      V = V.permute({1, 0, 2});
       if (group > 1) {  // each KV head for its query group, as repeat_kv
         K = K.repeat_interleave(group, 0);
         V = V.repeat_interleave(group, 0);
@@ -317,8 +348,11 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
     row += t;
   }
   if (!decode.empty()) {
+    const bool int8 = cache.dtype() == at::kChar;
     decode_attention(decode.data(), static_cast<int64_t>(decode.size()), kc.data_ptr(), vc.data_ptr(),
-                     cache.dtype() == at::kBFloat16, heads_, kv_heads_, hd_, scale);
+                     int8 ? KVType::kInt8 : cache.dtype() == at::kBFloat16 ? KVType::kBF16 : KVType::kFP32, heads_, kv_heads_,
+                     hd_, scale, int8 ? cache.key_scales(layer).data_ptr<float>() : nullptr,
+                     int8 ? cache.value_scales(layer).data_ptr<float>() : nullptr);
   }
 }
 
@@ -367,7 +401,7 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
     at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, dl + 2 kvl]
     position_qk(qkv, pos, L);
     const at::Tensor q = qkv.narrow(1, 0, dl).view({N, heads_, hd_});  // rows dl + 2 kvl apart
-    write_kv(qkv, dl, kvl, slots, cache.keys(l), cache.values(l));
+    write_kv(qkv, dl, kvl, slots, cache, l);
     attention(plan, l, q, cache, ctx, y);
     if (tp_) {
       at::Tensor a = L.proj.forward(y.view({N, dl}), decode_rows, /*add_bias=*/false);
