@@ -15,7 +15,7 @@ logits and generates the same greedy tokens.
       SentencePiece-style tokenizer with byte fallback (Llama 2's tokenizer.json form);
       ROOT/qwen2: a small Qwen2 (q/k/v biases, no rope scaling) with TOKENIZER_DIR's tokenizer.
   llamacpp_parity.py writer F32.gguf OTHER.gguf...
-      Each OTHER (the same model written as F16, BF16, Q8_0 or Q4_0) holds the tensors of F32.gguf
+      Each OTHER (the same model written as F16, BF16, Q8_0, Q4_0 or Q4_1) holds the tensors of F32.gguf
       quantized as the gguf package (llama.cpp's gguf-py) quantizes them, byte for byte, 1-D
       tensors in F32; the metadata equal but for general.file_type and quantization_version.
 Each check prints a line; failures print "FAIL ..." and exit 1.

@@ -287,12 +287,12 @@ TEST(ServingLinear, CompactWeightsAndBatchInvariantRows) {
   torch::manual_seed(1);
   const at::Tensor w = at::randn({70, 45}), b = at::randn({70}), x = at::randn({40, 45});
   const at::Tensor ref = at::matmul(x, w.t()) + b;
-  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0}) {
+  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0, WeightFormat::kQ4_1}) {
     ServingLinear l(w, b, fmt);
     const at::Tensor dense = at::matmul(x, l.dense_weight().t()) + b;  // what the format stores
     const at::Tensor y = l.forward(x, 0);  // 40 rows: GEMM path
     EXPECT_LT((y - dense).abs().max().item<double>(), 1e-4) << weight_format_name(fmt);
-    const double tol = fmt == WeightFormat::kFP32 ? 1e-4 : fmt == WeightFormat::kBF16 ? 0.15 : fmt == WeightFormat::kInt8 ? 0.25 : 2.5;
+    const double tol = fmt == WeightFormat::kFP32 ? 1e-4 : fmt == WeightFormat::kBF16 ? 0.15 : fmt == WeightFormat::kInt8 ? 0.25 : 2.5;  // 4-bit: about 1 / 16 of a group's range
     EXPECT_LT((y - ref).abs().max().item<double>(), tol) << weight_format_name(fmt);
     // Row kernel: each row's bits are the same alone and among 16.
     const at::Tensor batch = l.forward(x.narrow(0, 0, 16), 16);
@@ -308,36 +308,50 @@ TEST(ServingLinear, CompactWeightsAndBatchInvariantRows) {
   EXPECT_EQ(ServingLinear(w, b, WeightFormat::kInt8).weight_bytes(), 70 * 45 + 70 * 4 + 70 * 4);
   if (have_bf16_dot()) {  // 45 columns padded to 64: 32 bytes of nibbles and 2 fp16 scales a channel
     EXPECT_EQ(ServingLinear(w, b, WeightFormat::kQ4_0, true).weight_bytes(), 70 * 32 + 70 * 2 * 2 + 70 * 4);
+    EXPECT_EQ(ServingLinear(w, b, WeightFormat::kQ4_1, true).weight_bytes(), 70 * 32 + 70 * 2 * 2 * 2 + 70 * 4);
   }
 }
 
-// Our 4-bit format is ggml's Q4_0: the numbers quantize_q4_0 packs for the kernels are those of
-// the GGUF writer's Q4_0 blocks (quantize_row_q4_0_ref) as the GGUF reader decodes them, each
-// rounded to bf16 (Note [4-bit weights]); a Q4_0 file's values quantize to themselves again.
-TEST(ServingLinear, Q4MatchesGgmlQ4_0) {
+// Our 4-bit formats are ggml's Q4_0 and Q4_1: the numbers quantize_q4 packs for the kernels are
+// those of the GGUF writer's blocks (quantize_row_q4_{0,1}_ref) as the GGUF reader decodes them,
+// each rounded to bf16 (Note [4-bit weights]); a file's values quantize to themselves again.
+TEST(ServingLinear, Q4MatchesGgmlQ4_0AndQ4_1) {
   torch::manual_seed(4);
   at::Tensor w = at::randn({6, 96});
   w[0].zero_();                  // d = 0 groups
-  w[1][40] = 50.0f;              // one large positive value: d < 0
+  w[1][40] = 50.0f;              // one large positive value: d < 0 in Q4_0
   w.narrow(1, 64, 32)[2].fill_(-3.0f);  // a constant group
-  const Q4Weights q = quantize_q4_0(w);
-  ASSERT_EQ(q.qs.sizes(), (std::vector<int64_t>{6, 64}));  // 96 padded to 128
-  ASSERT_EQ(q.d.sizes(), (std::vector<int64_t>{6, 4}));
-  const at::Tensor ours = dequantize_q4_0(q, 96);
   namespace gg = torchspeed::checkpoint::gguf;
-  const std::string bytes = gg::encode(gg::Type::kQ4_0, w.data_ptr<float>(), w.numel());
-  ASSERT_EQ(static_cast<int64_t>(bytes.size()), 6 * 3 * 18);
-  at::Tensor ggml = at::empty({6, 96});
-  gg::dequantize(static_cast<uint32_t>(gg::Type::kQ4_0), reinterpret_cast<const uint8_t*>(bytes.data()),
-                 static_cast<int64_t>(bytes.size()), w.numel(), ggml.data_ptr<float>(), "test");
-  EXPECT_TRUE(at::equal(ours, ggml.to(at::kBFloat16).to(at::kFloat)));
-  EXPECT_TRUE(at::equal(ours[0], at::zeros({96})));
-  EXPECT_TRUE(at::equal(ours[2].narrow(0, 64, 32), at::full({32}, -3.0f)));
-  EXPECT_LT((ours - w).abs().max().item<float>(), 50.0f / 8 / 2 * 1.01f);  // half a step of the largest group
-  // Requantizing the decoded values gives the same blocks.
-  const Q4Weights again = quantize_q4_0(ggml);
-  EXPECT_TRUE(at::equal(again.qs, q.qs));
-  EXPECT_TRUE(at::equal(again.d, q.d));
+  for (const bool q4_1 : {false, true}) {
+    const std::string what = q4_1 ? "Q4_1" : "Q4_0";
+    const Q4Weights q = quantize_q4(w, q4_1);
+    ASSERT_EQ(q.qs.sizes(), (std::vector<int64_t>{6, 64})) << what;  // 96 padded to 128
+    ASSERT_EQ(q.d.sizes(), (std::vector<int64_t>{6, 4})) << what;
+    ASSERT_EQ(q.m.defined(), q4_1);
+    const at::Tensor ours = dequantize_q4(q, 96);
+    const gg::Type type = q4_1 ? gg::Type::kQ4_1 : gg::Type::kQ4_0;
+    const std::string bytes = gg::encode(type, w.data_ptr<float>(), w.numel());
+    ASSERT_EQ(static_cast<int64_t>(bytes.size()), 6 * 3 * (q4_1 ? 20 : 18)) << what;
+    at::Tensor ggml = at::empty({6, 96});
+    gg::dequantize(static_cast<uint32_t>(type), reinterpret_cast<const uint8_t*>(bytes.data()), static_cast<int64_t>(bytes.size()),
+                   w.numel(), ggml.data_ptr<float>(), "test");
+    EXPECT_TRUE(at::equal(ours, ggml.to(at::kBFloat16).to(at::kFloat))) << what;
+    EXPECT_TRUE(at::equal(ours[0], at::zeros({96}))) << what;
+    EXPECT_TRUE(at::equal(ours[2].narrow(0, 64, 32), at::full({32}, -3.0f))) << what;
+    // Half a step of the widest group (row 1's, with the 50), and the bf16 rounding.
+    EXPECT_LT((ours - w).abs().max().item<float>(), (q4_1 ? 53.0f / 15 : 50.0f / 8) / 2 * 1.02f) << what;
+    // Requantizing the decoded values gives the same blocks.
+    const Q4Weights again = quantize_q4(ggml, q4_1);
+    EXPECT_TRUE(at::equal(again.qs, q.qs)) << what;
+    EXPECT_TRUE(at::equal(again.d, q.d)) << what;
+    if (q4_1) {
+      EXPECT_TRUE(at::equal(again.m, q.m));
+    }
+  }
+  if (have_bf16_dot()) {  // 96 columns padded to 128: 64 bytes of nibbles and 4 fp16 scales (and minimums) a channel
+    EXPECT_EQ(ServingLinear(w, at::Tensor(), WeightFormat::kQ4_0, true).weight_bytes(), 6 * (64 + 8));
+    EXPECT_EQ(ServingLinear(w, at::Tensor(), WeightFormat::kQ4_1, true).weight_bytes(), 6 * (64 + 16));
+  }
 }
 
 // forward_add adds bias and output into the residual inside the kernels, block by block; its
@@ -349,7 +363,7 @@ TEST(ServingLinear, ForwardAddIsForwardThenAdd) {
   const int threads = at::get_num_threads();
   at::set_num_threads(2);
   const at::Tensor w = at::randn({70, 45}), b = at::randn({70}), x = at::randn({40, 45}), res = at::randn({40, 70});
-  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0}) {
+  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0, WeightFormat::kQ4_1}) {
     for (int kernel = 0; kernel < 3; ++kernel) {  // widened weights, VDPBF16PS, AMX (where present)
       const bool dot = kernel > 0;
       const ServingLinear l(w, b, fmt, dot, kernel == 2);
@@ -383,8 +397,8 @@ TEST(ServingLinear, Bf16DotProductsRoundOnlyTheInput) {
   // VDPBF16PS everywhere; AMX tiles where the CPU has them (Note [AMX tiles]).
   for (bool amx : {false, true}) {
     if (amx && !have_amx()) continue;
-    for (WeightFormat fmt : {WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0}) {
-      if (amx && fmt == WeightFormat::kQ4_0) continue;  // (4-bit weights stay off the tiles)
+    for (WeightFormat fmt : {WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0, WeightFormat::kQ4_1}) {
+      if (amx && (fmt == WeightFormat::kQ4_0 || fmt == WeightFormat::kQ4_1)) continue;  // (4-bit weights stay off the tiles)
       for (int64_t K : {45, 64, 200}) {  // a masked tail, whole steps of 32 (and of AMX's 64), both
         const std::string what = std::string(weight_format_name(fmt)) + (amx ? " amx" : " dot") + " K " + std::to_string(K);
         const at::Tensor w = at::randn({70, K}), b = at::randn({70}), x = at::randn({40, K});
@@ -440,7 +454,7 @@ TEST(ServingLinear, GeluInsideTheKernel) {
   at::set_num_threads(2);
   // Outputs from -12 to 12: both tails of erf and tanh, and the middle.
   const at::Tensor w = at::randn({70, 45}) * 1.5, b = at::randn({70}), x = at::randn({40, 45});
-  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0}) {
+  for (auto fmt : {WeightFormat::kFP32, WeightFormat::kBF16, WeightFormat::kInt8, WeightFormat::kQ4_0, WeightFormat::kQ4_1}) {
     for (int kernel = 0; kernel < 3; ++kernel) {
       const ServingLinear l(w, b, fmt, kernel > 0, kernel == 2);
       for (const char* approx : {"none", "tanh"}) {
@@ -630,7 +644,7 @@ TEST(Engine, TokensDoNotDependOnBatchingChunksOrPreemption) {
 TEST(Engine, Bf16TokensDoNotDependOnBatchingOrChunks) {
   // (weights, KV cache dtype): the int8 cache quantizes each row once, when written.
   std::vector<std::pair<WeightFormat, at::ScalarType>> cases{{WeightFormat::kBF16, at::kBFloat16}, {WeightFormat::kBF16, at::kChar}};
-  if (have_bf16_dot()) cases.insert(cases.end(), {{WeightFormat::kInt8, at::kBFloat16}, {WeightFormat::kQ4_0, at::kBFloat16}});
+  if (have_bf16_dot()) cases.insert(cases.end(), {{WeightFormat::kInt8, at::kBFloat16}, {WeightFormat::kQ4_0, at::kBFloat16}, {WeightFormat::kQ4_1, at::kBFloat16}});
   for (const auto& [fmt, kv_dtype] : cases) {
     Fixture f;
     std::vector<int> all;

@@ -6,7 +6,7 @@
 // family (config.json, model.safetensors with transformers' names and layouts, the tokenizer's
 // files) that transformers' AutoModelForCausalLM.from_pretrained(DIR) loads: GPT-2, or Llama /
 // Mistral / Qwen2 / Qwen3 for a model with rotary positions.
-// `torchspeed convert CHECKPOINT --format gguf --to F.gguf [--dtype fp32|fp16|bf16|q8_0|q4_0]`: a GGUF
+// `torchspeed convert CHECKPOINT --format gguf --to F.gguf [--dtype fp32|fp16|bf16|q8_0|q4_0|q4_1]`: a GGUF
 // file llama.cpp runs (checkpoint/gguf_writer.h), with the tokenizer and chat template inside.
 #include <ATen/ATen.h>
 
@@ -35,7 +35,7 @@ struct GgufOpts {
 int write_gguf(const GgufOpts& o, checkpoint::Model& model) {
   namespace gg = checkpoint::gguf;
   const auto section = model.config.value("model", nlohmann::json::object());
-  const gg::Type type = o.dtype == "q8_0" ? gg::Type::kQ8_0 : o.dtype == "q4_0" ? gg::Type::kQ4_0 : o.dtype == "bf16" ? gg::Type::kBF16
+  const gg::Type type = o.dtype == "q8_0" ? gg::Type::kQ8_0 : o.dtype == "q4_0" ? gg::Type::kQ4_0 : o.dtype == "q4_1" ? gg::Type::kQ4_1 : o.dtype == "bf16" ? gg::Type::kBF16
                         : o.dtype == "fp16" ? gg::Type::kF16 : gg::Type::kF32;
   gg::architecture_of(section);  // refuses a model llama.cpp does not compute, before any work
   const auto tok = data::tokenizer_of_model(o.checkpoint, model, o.tokenizer);
@@ -102,12 +102,12 @@ Runner add_convert(CLI::App& app) {
                   "safetensors (torchspeed's names, config in the metadata), hf (the model's Hugging Face family) or gguf (llama.cpp)")
       ->check(CLI::IsMember({"safetensors", "hf", "gguf"}));
   cmd->add_option("--tokenizer", o->tokenizer, "With --format hf or gguf: the tokenizer to write with the model (default: the model's own)");
-  cmd->add_option("--dtype", o->dtype, "Output dtype (q8_0, q4_0: with --format gguf)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "q8_0", "q4_0"}));
+  cmd->add_option("--dtype", o->dtype, "Output dtype (q8_0, q4_0, q4_1: with --format gguf)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"}));
   return [o]() {
     auto model = checkpoint::load_model(o->checkpoint);
     if (o->format == "gguf") return write_gguf({o->checkpoint, o->to, o->dtype, o->tokenizer}, model);
-    TS_CHECK(o->dtype != "q8_0" && o->dtype != "q4_0", "convert: --dtype ", o->dtype, " is written with --format gguf only");
+    TS_CHECK(o->dtype != "q8_0" && o->dtype != "q4_0" && o->dtype != "q4_1", "convert: --dtype ", o->dtype, " is written with --format gguf only");
     const at::ScalarType dt = o->dtype == "bf16" ? at::kBFloat16 : o->dtype == "fp16" ? at::kHalf : at::kFloat;
     int64_t numel = 0;
     for (auto& [name, t] : model.params) {

@@ -65,8 +65,9 @@ void watch_signals(const std::string& stop_file) {
 
 // --weights auto: a GGUF file whose layers' matrices are all Q8_0 (llama.cpp's 8-bit format) is
 // served as our int8 (its values requantized with one scale per output channel, as --weights
-// int8 quantizes any model); all Q4_0 as our q4_0 (ggml's quantization again: the same numbers,
-// since a Q4_0 group's largest value is -8 d); anything else in fp32 (other 4-bit formats too).
+// int8 quantizes any model); all Q4_0 or all Q4_1 as our q4_0 / q4_1 (ggml's quantization again:
+// the same numbers, since a Q4_0 group's largest value is -8 d and a Q4_1 group spans q 0 to 15);
+// anything else in fp32 (other 4-bit formats too).
 std::string auto_weights(const std::string& path) {
   if (!std::filesystem::is_regular_file(path) || !checkpoint::gguf::is_gguf(path)) return "fp32";
   checkpoint::gguf::File f(path);
@@ -80,6 +81,7 @@ std::string auto_weights(const std::string& path) {
   }
   if (any && type == static_cast<uint32_t>(checkpoint::gguf::Type::kQ8_0)) return "int8";
   if (any && type == static_cast<uint32_t>(checkpoint::gguf::Type::kQ4_0)) return "q4_0";
+  if (any && type == static_cast<uint32_t>(checkpoint::gguf::Type::kQ4_1)) return "q4_1";
   return "fp32";
 }
 
@@ -102,7 +104,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--port", o->port, "TCP port (0: any free port, printed)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", o->api_key, "Require \"Authorization: Bearer KEY\" on /v1/* (default: TORCHSPEED_API_KEY, else none)");
   cmd->add_option("--served-model-name", o->model_name, "The model id clients send (default: the checkpoint's folder name)");
-  cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16, int8 (weight-only, per-channel scales) or q4_0 (4-bit groups of 32, ggml's Q4_0; LM head in int8); auto: int8 for a GGUF file whose layers are Q8_0, q4_0 for Q4_0, else fp32")->check(CLI::IsMember({"auto", "fp32", "bf16", "int8", "q4_0"}));
+  cmd->add_option("--weights", o->weights, "Weight format: fp32, bf16, int8 (weight-only, per-channel scales) q4_0 / q4_1 (4-bit groups of 32, ggml's Q4_0 / Q4_1; LM head in int8); auto: int8 for a GGUF file whose layers are Q8_0, q4_0 / q4_1 for Q4_0 / Q4_1, else fp32")->check(CLI::IsMember({"auto", "fp32", "bf16", "int8", "q4_0", "q4_1"}));
   cmd->add_flag("!--no-bf16-dot", o->bf16_dot,
                 "With bf16 or int8 weights, widen them to fp32 instead of multiplying with the CPU's bf16 dot products (AVX512-BF16) or AMX tiles (each linear's input rounded to bf16, or with int8 weights on AMX to 16-bit fixed point)");
   cmd->add_option("--kv-cache-mb", o->kv_mb, "Memory for the paged KV cache, per rank (0: 256 MB, or two sequences of the model's whole context where that is more)")->check(CLI::Range(0.0, 1e7));

@@ -69,7 +69,8 @@ int64_t encoded_bytes(Type type, int64_t n) {
     case Type::kBF16: return 2 * n;
     case Type::kQ8_0: return n / 32 * 34;
     case Type::kQ4_0: return n / 32 * 18;
-    default: TS_CHECK(false, "GGUF writer: type ", type_name(static_cast<uint32_t>(type)), " is not written (F32, F16, BF16, Q8_0, Q4_0 are)");
+    case Type::kQ4_1: return n / 32 * 20;
+    default: TS_CHECK(false, "GGUF writer: type ", type_name(static_cast<uint32_t>(type)), " is not written (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)");
   }
   return 0;
 }
@@ -102,7 +103,7 @@ std::string encode(Type type, const float* x, int64_t n) {
     }
     case Type::kQ4_0: {
       // quantize_row_q4_0_ref: d = the value of largest magnitude / -8; low nibbles hold values
-      // 0-15, high 16-31 (the same numbers as inference::quantize_q4_0 packs for its kernel).
+      // 0-15, high 16-31 (the same numbers as inference::quantize_q4 packs for its kernel).
       TS_CHECK(n % 32 == 0, "GGUF writer: Q4_0 needs a multiple of 32 values, not ", n);
       for (int64_t b = 0; b < n; b += 32) {
         float amax = 0.f, max = 0.f;
@@ -119,6 +120,23 @@ std::string encode(Type type, const float* x, int64_t n) {
       }
       break;
     }
+    case Type::kQ4_1: {
+      // quantize_row_q4_1_ref: d = (max - min) / 15, m = min, q = (x - min) / d rounded.
+      TS_CHECK(n % 32 == 0, "GGUF writer: Q4_1 needs a multiple of 32 values, not ", n);
+      for (int64_t b = 0; b < n; b += 32) {
+        float lo = x[b], hi = x[b];
+        for (int j = 1; j < 32; ++j) {
+          lo = std::min(lo, x[b + j]);
+          hi = std::max(hi, x[b + j]);
+        }
+        const float d = (hi - lo) / 15.f, id = d != 0.f ? 1.f / d : 0.f;
+        put<uint16_t>(out, c10::Half(d).x);
+        put<uint16_t>(out, c10::Half(lo).x);
+        auto q = [&](int j) { return std::min(15, static_cast<int>(static_cast<int8_t>((x[b + j] - lo) * id + 0.5f))); };
+        for (int j = 0; j < 16; ++j) put<uint8_t>(out, static_cast<uint8_t>(q(j) | (q(16 + j) << 4)));
+      }
+      break;
+    }
     default: encoded_bytes(type, n);  // the error
   }
   return out;
@@ -127,11 +145,12 @@ std::string encode(Type type, const float* x, int64_t n) {
 namespace {
 
 uint32_t file_type(Type type) {
-  // llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7, MOSTLY_BF16 32.
+  // llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q4_0 2, MOSTLY_Q4_1 3, MOSTLY_Q8_0 7, MOSTLY_BF16 32.
   switch (type) {
     case Type::kF32: return 0;
     case Type::kF16: return 1;
     case Type::kQ4_0: return 2;
+    case Type::kQ4_1: return 3;
     case Type::kQ8_0: return 7;
     default: return 32;
   }
@@ -139,10 +158,11 @@ uint32_t file_type(Type type) {
 
 Type tensor_type(Type file, const std::string& name, const at::Tensor& x) {
   if (x.dim() == 1) return Type::kF32;
-  // Q4_0 files keep the embedding and the output matrix in Q8_0 (llama.cpp's quantize gives them
+  // 4-bit files keep the embedding and the output matrix in Q8_0 (llama.cpp's quantize gives them
   // more bits too); we serve the LM head of 4-bit models in int8.
-  if (file == Type::kQ4_0 && (name == "token_embd.weight" || name == "output.weight")) file = Type::kQ8_0;
-  if ((file == Type::kQ8_0 || file == Type::kQ4_0) && x.size(-1) % 32 != 0) return Type::kF16;
+  const bool four_bit = file == Type::kQ4_0 || file == Type::kQ4_1;
+  if (four_bit && (name == "token_embd.weight" || name == "output.weight")) file = Type::kQ8_0;
+  if ((file == Type::kQ8_0 || four_bit) && x.size(-1) % 32 != 0) return Type::kF16;
   return file;
 }
 
@@ -236,7 +256,7 @@ int64_t save_gpt2(const std::string& path, const NamedTensors& params, const nlo
   md.emplace_back("general.architecture", std::string("gpt2"));
   md.emplace_back("general.name", name);
   md.emplace_back("general.file_type", file_type(type));
-  if (type == Type::kQ8_0 || type == Type::kQ4_0) md.emplace_back("general.quantization_version", uint32_t{2});
+  if (type == Type::kQ8_0 || type == Type::kQ4_0 || type == Type::kQ4_1) md.emplace_back("general.quantization_version", uint32_t{2});
   md.emplace_back("gpt2.vocab_size", static_cast<uint32_t>(m.at("vocab").get<int64_t>()));
   md.emplace_back("gpt2.context_length", static_cast<uint32_t>(m.at("seq_len").get<int64_t>()));
   md.emplace_back("gpt2.embedding_length", static_cast<uint32_t>(d));
@@ -287,7 +307,7 @@ int64_t save_gguf(const std::string& path, const NamedTensors& params, const nlo
   md.emplace_back("general.architecture", arch);
   md.emplace_back("general.name", name);
   md.emplace_back("general.file_type", file_type(type));
-  if (type == Type::kQ8_0 || type == Type::kQ4_0) md.emplace_back("general.quantization_version", uint32_t{2});
+  if (type == Type::kQ8_0 || type == Type::kQ4_0 || type == Type::kQ4_1) md.emplace_back("general.quantization_version", uint32_t{2});
   md.emplace_back(p + "vocab_size", static_cast<uint32_t>(vocab));
   md.emplace_back(p + "context_length", static_cast<uint32_t>(m.at("seq_len").get<int64_t>()));
   md.emplace_back(p + "embedding_length", static_cast<uint32_t>(d));

@@ -5,9 +5,9 @@
 // its q/k row permutation for "llama", and the tokenizer and chat template in the metadata. GPT-2
 // (learned positions, LayerNorm, tanh-approximated GELU, biases) becomes llama.cpp's "gpt2".
 // Weights in F32, F16, BF16, Q8_0 (ggml's block layout: 32 int8 and an fp16 scale, as
-// llama.cpp's quantize_row_q8_0_ref computes it) or Q4_0 (32 nibbles and an fp16 scale, as
-// quantize_row_q4_0_ref; the embedding and output matrices in Q8_0); norms and biases stay F32 as
-// llama.cpp keeps them.
+// llama.cpp's quantize_row_q8_0_ref computes it), Q4_0 or Q4_1 (32 nibbles and an fp16 scale, and
+// for Q4_1 an fp16 minimum, as quantize_row_q4_{0,1}_ref; the embedding and output matrices in
+// Q8_0); norms and biases stay F32 as llama.cpp keeps them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,7 +29,7 @@ using Value = std::variant<uint32_t, int32_t, float, bool, std::string, uint64_t
                            std::vector<int32_t>, std::vector<float>>;
 using Metadata = std::vector<std::pair<std::string, Value>>;
 
-// `n` fp32 values as `type`'s bytes (F32, F16, BF16, Q8_0, Q4_0; n a multiple of 32 for Q8_0, Q4_0).
+// `n` fp32 values as `type`'s bytes (F32, F16, BF16, Q8_0, Q4_0, Q4_1; n a multiple of 32 for the blocks).
 std::string encode(Type type, const float* x, int64_t n);
 
 // A GGUF v3 file from metadata and tensors (fp32 in torch's shape, each stored as its type),

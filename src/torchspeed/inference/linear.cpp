@@ -43,7 +43,8 @@ WeightFormat parse_weight_format(const std::string& s) {
   if (s == "bf16") return WeightFormat::kBF16;
   if (s == "int8") return WeightFormat::kInt8;
   if (s == "q4_0") return WeightFormat::kQ4_0;
-  TS_CHECK(false, "weight format \"", s, "\" is not one of fp32, bf16, int8, q4_0");
+  if (s == "q4_1") return WeightFormat::kQ4_1;
+  TS_CHECK(false, "weight format \"", s, "\" is not one of fp32, bf16, int8, q4_0, q4_1");
   return WeightFormat::kFP32;
 }
 
@@ -53,36 +54,51 @@ const char* weight_format_name(WeightFormat f) {
     case WeightFormat::kBF16: return "bf16";
     case WeightFormat::kInt8: return "int8";
     case WeightFormat::kQ4_0: return "q4_0";
+    case WeightFormat::kQ4_1: return "q4_1";
   }
   return "?";
 }
 
-Q4Weights quantize_q4_0(const at::Tensor& weight) {
-  TS_CHECK(weight.dim() == 2, "quantize_q4_0: a 2-D weight, got ", weight.sizes());
+Q4Weights quantize_q4(const at::Tensor& weight, bool with_min) {
+  TS_CHECK(weight.dim() == 2, "quantize_q4: a 2-D weight, got ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1), Kp = (K + kQ4Align - 1) / kQ4Align * kQ4Align;
   at::Tensor w = at::zeros({N, Kp}, at::kFloat);
   w.narrow(1, 0, K).copy_(weight.detach().to(at::kFloat));
-  Q4Weights q{at::empty({N, Kp / 2}, at::kByte), at::empty({N, Kp / 32}, at::kShort)};
+  Q4Weights q{at::empty({N, Kp / 2}, at::kByte), at::empty({N, Kp / 32}, at::kShort),
+              with_min ? at::empty({N, Kp / 32}, at::kShort) : at::Tensor()};
   const float* wp = w.data_ptr<float>();
   uint8_t* qp = q.qs.data_ptr<uint8_t>();
   int16_t* dp = q.d.data_ptr<int16_t>();
+  int16_t* mp = with_min ? q.m.data_ptr<int16_t>() : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     uint8_t nib[64];
     for (int64_t o = b; o < e; ++o) {
       for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
         for (int g = 0; g < 2; ++g) {
           const float* x = wp + o * Kp + k0 + 32 * g;
-          float amax = 0.0f, max = 0.0f;
-          for (int j = 0; j < 32; ++j) {
-            if (amax < std::fabs(x[j])) {
-              amax = std::fabs(x[j]);
-              max = x[j];
+          const int64_t at_group = o * (Kp / 32) + k0 / 32 + g;
+          if (with_min) {  // quantize_row_q4_1_ref
+            float lo = x[0], hi = x[0];
+            for (int j = 1; j < 32; ++j) {
+              lo = std::min(lo, x[j]);
+              hi = std::max(hi, x[j]);
             }
+            const float d = (hi - lo) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            dp[at_group] = static_cast<int16_t>(c10::Half(d).x);  // round to nearest even, as GGML_FP32_TO_FP16
+            mp[at_group] = static_cast<int16_t>(c10::Half(lo).x);
+            for (int j = 0; j < 32; ++j) nib[32 * g + j] = static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>((x[j] - lo) * id + 0.5f))));
+          } else {  // quantize_row_q4_0_ref
+            float amax = 0.0f, max = 0.0f;
+            for (int j = 0; j < 32; ++j) {
+              if (amax < std::fabs(x[j])) {
+                amax = std::fabs(x[j]);
+                max = x[j];
+              }
+            }
+            const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            dp[at_group] = static_cast<int16_t>(c10::Half(d).x);
+            for (int j = 0; j < 32; ++j) nib[32 * g + j] = static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>(x[j] * id + 8.5f))));
           }
-          const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-          const c10::Half h(d);  // round to nearest even, as GGML_FP32_TO_FP16
-          dp[o * (Kp / 32) + k0 / 32 + g] = static_cast<int16_t>(h.x);
-          for (int j = 0; j < 32; ++j) nib[32 * g + j] = static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>(x[j] * id + 8.5f))));
         }
         for (int j = 0; j < 32; ++j) qp[o * (Kp / 2) + k0 / 2 + j] = static_cast<uint8_t>(nib[j] | (nib[32 + j] << 4));
       }
@@ -91,23 +107,25 @@ Q4Weights quantize_q4_0(const at::Tensor& weight) {
   return q;
 }
 
-at::Tensor dequantize_q4_0(const Q4Weights& q, int64_t K) {
+at::Tensor dequantize_q4(const Q4Weights& q, int64_t K) {
   const int64_t N = q.qs.size(0), Kp = q.qs.size(1) * 2;
   TS_CHECK(q.qs.scalar_type() == at::kByte && q.d.scalar_type() == at::kShort && q.d.size(0) == N && q.d.size(1) * 32 == Kp &&
-               K <= Kp && Kp % kQ4Align == 0,
-           "dequantize_q4_0: qs ", q.qs.sizes(), ", d ", q.d.sizes(), " do not pack ", K, " columns");
+               K <= Kp && Kp % kQ4Align == 0 && (!q.m.defined() || q.m.sizes() == q.d.sizes()),
+           "dequantize_q4: qs ", q.qs.sizes(), ", d ", q.d.sizes(), " do not pack ", K, " columns");
   const at::Tensor b = q.qs.to(at::kInt).view({N, Kp / 64, 32});
-  const at::Tensor nib = at::cat({b.bitwise_and(15), b.bitwise_right_shift(4)}, 2).view({N, Kp / 32, 32});
+  const at::Tensor nib = at::cat({b.bitwise_and(15), b.bitwise_right_shift(4)}, 2).view({N, Kp / 32, 32}).to(at::kFloat);
   const at::Tensor d = q.d.view(at::kHalf).to(at::kFloat).unsqueeze(2);
-  // (q - 8) * d is exact in fp32; the one rounding is to bf16, as the kernels' table.
-  return ((nib - 8).to(at::kFloat) * d).to(at::kBFloat16).to(at::kFloat).view({N, Kp}).narrow(1, 0, K).contiguous();
+  // Q4_0: (q - 8) * d, exact in fp32. Q4_1: q * d + m, one fp32 rounding (q * d is exact). Then
+  // the one rounding to bf16, as the kernels' table.
+  const at::Tensor v = q.m.defined() ? (nib * d).add_(q.m.view(at::kHalf).to(at::kFloat).unsqueeze(2)) : (nib - 8) * d;
+  return v.to(at::kBFloat16).to(at::kFloat).view({N, Kp}).narrow(1, 0, K).contiguous();
 }
 
 ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, WeightFormat format, bool bf16_dot,
                              bool amx)
     : format_(format), bf16_dot_(bf16_dot && format != WeightFormat::kFP32 && have_bf16_dot()),
       // (4-bit weights stay out of the tiles: decode reads them in 4 bits, Note [4-bit weights])
-      amx_(bf16_dot_ && amx && have_amx() && format != WeightFormat::kQ4_0) {
+      amx_(bf16_dot_ && amx && have_amx() && format != WeightFormat::kQ4_0 && format != WeightFormat::kQ4_1) {
   // The kernels take [out, in] and the bias's length from the weight: a bias of another length
   // would be read past its end (OutputStage).
   TS_CHECK(weight.defined() && weight.dim() == 2, "a linear weight must be 2-D, got ",
@@ -127,13 +145,15 @@ ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, W
       w_ = (w / scale_.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar).contiguous();
       break;
     }
-    case WeightFormat::kQ4_0: {
-      Q4Weights q = quantize_q4_0(w);
+    case WeightFormat::kQ4_0:
+    case WeightFormat::kQ4_1: {
+      Q4Weights q = quantize_q4(w, format == WeightFormat::kQ4_1);
       if (bf16_dot_) {
         w_ = q.qs;
         q4_d_ = q.d;
+        q4_m_ = q.m;
       } else {
-        w_ = dequantize_q4_0(q, in_).to(at::kBFloat16).contiguous();  // exact: the values are bf16
+        w_ = dequantize_q4(q, in_).to(at::kBFloat16).contiguous();  // exact: the values are bf16
       }
       break;
     }
@@ -147,7 +167,7 @@ ServingLinear::ServingLinear(const at::Tensor& weight, const at::Tensor& bias, W
 
 int64_t ServingLinear::weight_bytes() const {
   return w_.nbytes() + (scale_.defined() ? scale_.nbytes() : 0) + (sums_.defined() ? sums_.nbytes() : 0) +
-         (q4_d_.defined() ? q4_d_.nbytes() : 0) + (bias_.defined() ? bias_.nbytes() : 0);
+         (q4_d_.defined() ? q4_d_.nbytes() : 0) + (q4_m_.defined() ? q4_m_.nbytes() : 0) + (bias_.defined() ? bias_.nbytes() : 0);
 }
 
 at::Tensor ServingLinear::dense_weight() const {
@@ -156,7 +176,8 @@ at::Tensor ServingLinear::dense_weight() const {
     case WeightFormat::kFP32: return w;
     case WeightFormat::kBF16: return w.to(at::kFloat);
     case WeightFormat::kInt8: return w.to(at::kFloat) * scale_.unsqueeze(1);
-    case WeightFormat::kQ4_0: return q4_d_.defined() ? dequantize_q4_0({w_, q4_d_}, in_) : w.to(at::kFloat);
+    case WeightFormat::kQ4_0:
+    case WeightFormat::kQ4_1: return q4_d_.defined() ? dequantize_q4({w_, q4_d_, q4_m_}, in_) : w.to(at::kFloat);
   }
   return w;
 }
@@ -469,7 +490,8 @@ void ServingLinear::rows_kernel(const float* x, int64_t rows, float* y, const Ou
   switch (format_) {
     case WeightFormat::kFP32: rows_kernel_t(x, rows, in_, out_, w_.data_ptr<float>(), nullptr, y, stage); break;
     case WeightFormat::kBF16:
-    case WeightFormat::kQ4_0:  // (without bf16 dot products its values are kept as bf16)
+    case WeightFormat::kQ4_0:  // (without bf16 dot products their values are kept as bf16)
+    case WeightFormat::kQ4_1:
       rows_kernel_t(x, rows, in_, out_, reinterpret_cast<const uint16_t*>(w_.data_ptr()), nullptr, y, stage);
       break;
     case WeightFormat::kInt8:
@@ -509,9 +531,11 @@ at::Tensor ServingLinear::run(const at::Tensor& x_in, int64_t row_kernel_rows, b
     return y;
   }
   if (bf16_dot_) {  // every row, prompt chunks too: see Note [bf16 dot products]
-    if (format_ == WeightFormat::kQ4_0) {
+    if (format_ == WeightFormat::kQ4_0 || format_ == WeightFormat::kQ4_1) {
       q4_bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, w_.data_ptr<uint8_t>(),
-                       reinterpret_cast<const uint16_t*>(q4_d_.data_ptr<int16_t>()), y.data_ptr<float>(), stage);
+                       reinterpret_cast<const uint16_t*>(q4_d_.data_ptr<int16_t>()),
+                       q4_m_.defined() ? reinterpret_cast<const uint16_t*>(q4_m_.data_ptr<int16_t>()) : nullptr,
+                       y.data_ptr<float>(), stage);
     } else if (format_ == WeightFormat::kInt8) {
       int8_bf16_dot_rows(x.data_ptr<float>(), M, in_, out_, w_.data_ptr<int8_t>(), scale_.data_ptr<float>(),
                          y.data_ptr<float>(), stage);

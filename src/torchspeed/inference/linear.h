@@ -1,6 +1,6 @@
 // Linear layers for serving, with weights in fp32, bf16, int8 (weight-only, one fp32 scale per
-// output channel, as ZeroQuant / LLM.int8-style serving stores them) or 4-bit (ggml's Q4_0:
-// groups of 32 with an fp16 scale; Note [4-bit weights]). Computation is fp32
+// output channel, as ZeroQuant / LLM.int8-style serving stores them) or 4-bit (ggml's Q4_0 and
+// Q4_1: groups of 32 with an fp16 scale, and for Q4_1 an fp16 minimum; Note [4-bit weights]). Computation is fp32
 // whatever the storage: the kernels read the compact weights and widen them in registers, so
 // decode, which is bound by the bytes of weights read per token, gets faster with the smaller
 // formats even on CPUs without bf16 arithmetic. See Note [Serving linear kernels].
@@ -15,20 +15,24 @@
 
 namespace torchspeed::inference {
 
-enum class WeightFormat { kFP32, kBF16, kInt8, kQ4_0 };
-WeightFormat parse_weight_format(const std::string& s);  // "fp32" | "bf16" | "int8" | "q4_0"
+enum class WeightFormat { kFP32, kBF16, kInt8, kQ4_0, kQ4_1 };
+WeightFormat parse_weight_format(const std::string& s);  // "fp32" | "bf16" | "int8" | "q4_0" | "q4_1"
 const char* weight_format_name(WeightFormat f);
 
-// ggml's Q4_0 quantization of w [N, K] (quantize_row_q4_0_ref: per group of 32 along k, d =
-// the value of largest magnitude / -8 rounded to fp16, q = min(15, trunc(x / d + 8.5))), packed
-// for q4_bf16_dot_rows: K padded with zeros to Kp (a multiple of kQ4Align), qs uint8 [N, Kp / 2]
-// (byte j of each 64 k: k = j low nibble, k = 32 + j high), d int16 [N, Kp / 32] (fp16 bits).
+// ggml's 4-bit quantization of w [N, K], per group of 32 along k: Q4_0 (quantize_row_q4_0_ref:
+// d = the value of largest magnitude / -8 rounded to fp16, q = min(15, trunc(x / d + 8.5)), the
+// value d (q - 8)) or, `with_min`, Q4_1 (quantize_row_q4_1_ref: d = (max - min) / 15 and m = min
+// rounded to fp16, q = min(15, trunc((x - min) / d + 0.5)), the value d q + m). Packed for
+// q4_bf16_dot_rows: K padded with zeros to Kp (a multiple of kQ4Align), qs uint8 [N, Kp / 2]
+// (byte j of each 64 k: k = j low nibble, k = 32 + j high), d and m int16 [N, Kp / 32] (fp16
+// bits; m undefined for Q4_0).
 struct Q4Weights {
-  at::Tensor qs, d;
+  at::Tensor qs, d, m;
 };
-Q4Weights quantize_q4_0(const at::Tensor& w);
-// The values the kernels multiply, fp32 [N, K]: bf16(d * (q - 8)) (Note [4-bit weights]).
-at::Tensor dequantize_q4_0(const Q4Weights& q, int64_t K);
+Q4Weights quantize_q4(const at::Tensor& w, bool with_min);
+// The values the kernels multiply, fp32 [N, K]: bf16(d (q - 8)) or bf16(d q + m) (Note [4-bit
+// weights]).
+at::Tensor dequantize_q4(const Q4Weights& q, int64_t K);
 
 class ServingLinear {
  public:
@@ -36,7 +40,7 @@ class ServingLinear {
   // weight [out, in] (any floating dtype), bias [out] or undefined. `bf16_dot`: with bf16 or
   // int8 weights on a CPU with AVX512-BF16, round each input row to bf16 and multiply with bf16
   // dot products (int8 values are exact in bf16; fp32 accumulation and output; Note [bf16 dot
-  // products]); elsewhere, or false, widen the weights to fp32 (q4_0 then keeps its values as bf16:
+  // products]); elsewhere, or false, widen the weights to fp32 (4-bit formats then keep their values as bf16:
   // the same numbers, without the 4-bit kernel). `amx`: with bf16 dot products on a
   // CPU with AMX-BF16, store the weights in tile order and multiply on AMX tiles (Note [AMX
   // tiles]; the same rounding, other bits); false keeps the dot products.
@@ -73,7 +77,8 @@ class ServingLinear {
   at::Tensor w_;      // [out, in] in the storage dtype (int8 for kInt8); amx_pack's order with amx_
   at::Tensor scale_;  // [out] fp32, kInt8 only
   at::Tensor sums_;   // int32 channel sums of the packed int8 weights (amx_channel_sums), kInt8 with amx_
-  at::Tensor q4_d_;   // kQ4_0 with bf16_dot_: fp16 group scales (w_ holds the nibbles, Q4Weights)
+  at::Tensor q4_d_;   // 4-bit with bf16_dot_: fp16 group scales (w_ holds the nibbles, Q4Weights)
+  at::Tensor q4_m_;   // kQ4_1 with bf16_dot_: fp16 group minimums
   at::Tensor bias_;   // [out] fp32 or undefined
 };
 

@@ -277,25 +277,33 @@ void int8_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, cons
 namespace {
 
 // Note [4-bit weights]
-// Q4_0 weights (ggml's: groups of 32 along k, an fp16 scale d per group, values d * (q - 8) for
-// q in [0, 15]; quantize_q4_0 in linear.cpp) are multiplied as bf16: each weight's value is
-// bf16(d * (q - 8)) (the product is exact in fp32: 11 significant bits times 4; the rounding to
-// bf16 is the only one added), and a step of 64 k builds it in registers from 32 bytes of
-// nibbles with one table lookup per 32 (VPERMW over the 16 values of each group, made from d by
-// one multiply and one conversion). Two groups share 32 bytes: byte j holds k = j of the first
+// Q4_0 and Q4_1 weights (ggml's: groups of 32 along k, an fp16 scale d per group and for Q4_1 an
+// fp16 minimum m, values d (q - 8) or d q + m for q in [0, 15]; quantize_q4 in linear.cpp) are
+// multiplied as bf16: each weight's value is bf16(d (q - 8)) (the product is exact in fp32: 11
+// significant bits times 4) or bf16(d q + m) (one fp32 rounding, of the add), and a step of 64 k
+// builds it in registers from 32 bytes of nibbles with one table lookup per 32 (VPERMW over the
+// 16 values of each group, made from d and m by one multiply or FMA and one conversion). Two groups share 32 bytes: byte j holds k = j of the first
 // group in its low nibble and k = j of the second in its high one, so one zero-extension gives
 // both groups' indices. One or two rows multiply the weights as they are built (4.5 bits a
 // weight read per token instead of bf16's 16); more rows build 4 channels' bf16 rows once into
 // a scratch row and run the bf16 tiles over it. Both give each (row, channel) the same bf16
 // operands in the same order as `tile` over the built rows, so a row's bits do not depend on
 // the batch.
-TS_BF16 inline void q4_pair(const uint8_t* qs, const uint16_t* d, __m512bh& lo, __m512bh& hi) {
+// `m`: the groups' minimums (Q4_1), or null (Q4_0).
+TS_BF16 inline void q4_pair(const uint8_t* qs, const uint16_t* d, const uint16_t* m, __m512bh& lo, __m512bh& hi) {
   const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
   const __m512i ilo = _mm512_and_si512(w16, _mm512_set1_epi16(0x0F));
   const __m512i ihi = _mm512_or_si512(_mm512_srli_epi16(w16, 4), _mm512_set1_epi16(0x10));
-  const __m512 qm8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  const __m512 t0 = _mm512_mul_ps(qm8, _mm512_set1_ps(_cvtsh_ss(d[0])));
-  const __m512 t1 = _mm512_mul_ps(qm8, _mm512_set1_ps(_cvtsh_ss(d[1])));
+  __m512 t0, t1;
+  if (m == nullptr) {
+    const __m512 qm8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    t0 = _mm512_mul_ps(qm8, _mm512_set1_ps(_cvtsh_ss(d[0])));
+    t1 = _mm512_mul_ps(qm8, _mm512_set1_ps(_cvtsh_ss(d[1])));
+  } else {  // d q is exact, so the FMA rounds as d * q + m does
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    t0 = _mm512_fmadd_ps(q, _mm512_set1_ps(_cvtsh_ss(d[0])), _mm512_set1_ps(_cvtsh_ss(m[0])));
+    t1 = _mm512_fmadd_ps(q, _mm512_set1_ps(_cvtsh_ss(d[1])), _mm512_set1_ps(_cvtsh_ss(m[1])));
+  }
   const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(t1, t0));  // group 0 in lanes 0-15
   lo = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(ilo, table));
   hi = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(ihi, table));
@@ -303,7 +311,8 @@ TS_BF16 inline void q4_pair(const uint8_t* qs, const uint16_t* d, __m512bh& lo, 
 
 // The R rows (1 or 2) of xb [R, Kp] against J channels of Q4_0 weights, each built in registers.
 template <int R, int J>
-TS_BF16 void q4_tile(const uint16_t* xb, int64_t Kp, const uint8_t* qs, const uint16_t* d, float* out, int64_t ldo) {
+TS_BF16 void q4_tile(const uint16_t* xb, int64_t Kp, const uint8_t* qs, const uint16_t* d, const uint16_t* m, float* out,
+                     int64_t ldo) {
   __m512 acc[R][J];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -313,7 +322,9 @@ TS_BF16 void q4_tile(const uint16_t* xb, int64_t Kp, const uint8_t* qs, const ui
     // The next J channels' nibbles at the same k: their stream overlaps this tile's arithmetic.
     for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(qs + (J + j) * qrow + k / 2), _MM_HINT_T0);
     __m512bh lo[J], hi[J];
-    for (int j = 0; j < J; ++j) q4_pair(qs + j * qrow + k / 2, d + j * drow + k / 32, lo[j], hi[j]);
+    for (int j = 0; j < J; ++j) {
+      q4_pair(qs + j * qrow + k / 2, d + j * drow + k / 32, m ? m + j * drow + k / 32 : nullptr, lo[j], hi[j]);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512bh x0 = load_bh(xb + r * Kp + k), x1 = load_bh(xb + r * Kp + k + 32);
       for (int j = 0; j < J; ++j) {
@@ -327,34 +338,35 @@ TS_BF16 void q4_tile(const uint16_t* xb, int64_t Kp, const uint8_t* qs, const ui
   }
 }
 
-TS_BF16 void q4_build_row(const uint8_t* qs, const uint16_t* d, int64_t Kp, uint16_t* out) {
+TS_BF16 void q4_build_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t Kp, uint16_t* out) {
   for (int64_t k = 0; k < Kp; k += 64) {
     __m512bh lo, hi;
-    q4_pair(qs + k / 2, d + k / 32, lo, hi);
+    q4_pair(qs + k / 2, d + k / 32, m ? m + k / 32 : nullptr, lo, hi);
     _mm512_storeu_si512(out + k, reinterpret_cast<__m512i>(lo));
     _mm512_storeu_si512(out + k + 32, reinterpret_cast<__m512i>(hi));
   }
 }
 
-TS_BF16 void block_q4(const uint16_t* xb, int64_t rows, int64_t Kp, const uint8_t* qs, const uint16_t* d, int64_t o0,
-                      int64_t o1, float* y, int64_t N, std::vector<uint16_t>& wb) {
+TS_BF16 void block_q4(const uint16_t* xb, int64_t rows, int64_t Kp, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                      int64_t o0, int64_t o1, float* y, int64_t N, std::vector<uint16_t>& wb) {
   const int64_t qrow = Kp / 2, drow = Kp / 32;
+  auto mins = [&](int64_t o) { return m ? m + o * drow : nullptr; };
   if (rows <= 2) {
     int64_t o = o0;
     for (; o + 4 <= o1; o += 4) {
-      if (rows == 2) q4_tile<2, 4>(xb, Kp, qs + o * qrow, d + o * drow, y + o, N);
-      else q4_tile<1, 4>(xb, Kp, qs + o * qrow, d + o * drow, y + o, N);
+      if (rows == 2) q4_tile<2, 4>(xb, Kp, qs + o * qrow, d + o * drow, mins(o), y + o, N);
+      else q4_tile<1, 4>(xb, Kp, qs + o * qrow, d + o * drow, mins(o), y + o, N);
     }
     for (; o < o1; ++o) {
-      if (rows == 2) q4_tile<2, 1>(xb, Kp, qs + o * qrow, d + o * drow, y + o, N);
-      else q4_tile<1, 1>(xb, Kp, qs + o * qrow, d + o * drow, y + o, N);
+      if (rows == 2) q4_tile<2, 1>(xb, Kp, qs + o * qrow, d + o * drow, mins(o), y + o, N);
+      else q4_tile<1, 1>(xb, Kp, qs + o * qrow, d + o * drow, mins(o), y + o, N);
     }
     return;
   }
   wb.resize(static_cast<size_t>(4 * Kp));
   for (int64_t o = o0; o < o1;) {
     const int64_t J = o + 4 <= o1 ? 4 : 1;
-    for (int64_t j = 0; j < J; ++j) q4_build_row(qs + (o + j) * qrow, d + (o + j) * drow, Kp, wb.data() + j * Kp);
+    for (int64_t j = 0; j < J; ++j) q4_build_row(qs + (o + j) * qrow, d + (o + j) * drow, mins(o + j), Kp, wb.data() + j * Kp);
     for (int64_t g = 0; g < rows; g += kRowGroup) {
       const int64_t gr = std::min(kRowGroup, rows - g);
       if (J == 4) rows_over<4>(xb + g * Kp, gr, Kp, Kp, wb.data(), y + g * N + o, N);
@@ -366,23 +378,16 @@ TS_BF16 void block_q4(const uint16_t* xb, int64_t rows, int64_t Kp, const uint8_
 
 }  // namespace
 
-void q4_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d, float* y,
-                      const OutputStage& stage) {
+void q4_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
+                      const uint16_t* m, float* y, const OutputStage& stage) {
   over_channel_blocks(
       x, rows, K, N,
       [&](const uint16_t* xb, int64_t Kp, int64_t o0, int64_t o1) {
         thread_local std::vector<uint16_t> wb;  // this thread's built weights
-        block_q4(xb, rows, Kp, qs, d, o0, o1, y, N, wb);
+        block_q4(xb, rows, Kp, qs, d, m, o0, o1, y, N, wb);
         stage.apply(y, rows, N, o0, o1);
       },
       kQ4Align);
-}
-
-void q4_build_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t Kp, uint16_t* out) {
-  TS_INTERNAL_ASSERT(have_bf16_dot() && Kp % kQ4Align == 0, "q4_build_rows: AVX512-BF16 and Kp % 64 == 0");
-  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-    for (int64_t o = b; o < e; ++o) q4_build_row(qs + o * (Kp / 2), d + o * (Kp / 32), Kp, out + o * Kp);
-  });
 }
 
 }  // namespace torchspeed::inference

@@ -57,14 +57,12 @@ void bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uin
 void int8_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const int8_t* w, const float* scale, float* y,
                         const OutputStage& stage = {});
 
-// Q4_0 weights as quantize_q4_0 (linear.h) packs them, [N] channels of Kp = K rounded up to
-// kQ4Align: qs [N, Kp / 2] nibbles, d [N, Kp / 32] fp16 scale bits (Note [4-bit weights]):
-// y[r, o] = sum_k bf16(x[r, k]) * bf16(d * (q - 8)) in fp32, then `stage`. Requires
-// have_bf16_dot().
+// 4-bit weights as quantize_q4 (linear.h) packs them, [N] channels of Kp = K rounded up to
+// kQ4Align: qs [N, Kp / 2] nibbles, d [N, Kp / 32] fp16 scale bits, m the same of the minimums
+// (Q4_1) or null (Q4_0) (Note [4-bit weights]): y[r, o] = sum_k bf16(x[r, k]) * w[o, k] in fp32,
+// w = bf16(d (q - 8)) or bf16(d q + m), then `stage`. Requires have_bf16_dot().
 constexpr int64_t kQ4Align = 64;
-void q4_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d, float* y,
-                      const OutputStage& stage = {});
-// The weights' values as bf16 bits, out [N, Kp]: what q4_bf16_dot_rows multiplies.
-void q4_build_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t Kp, uint16_t* out);
+void q4_bf16_dot_rows(const float* x, int64_t rows, int64_t K, int64_t N, const uint8_t* qs, const uint16_t* d,
+                      const uint16_t* m, float* y, const OutputStage& stage = {});
 
 }  // namespace torchspeed::inference

@@ -249,10 +249,10 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
   lnf_b_ = maybe(ln, "head.ln_f.bias");
   // The LM head is replicated: with a byte vocabulary it is 0.3% of the weights, and splitting
   // it would add an all-gather per token.
-  // With 4-bit layers the head is int8 (as llama.cpp's Q4_0 files keep the output matrix in more
+  // With 4-bit layers the head is int8 (as llama.cpp's 4-bit files keep the output matrix in more
   // bits): the logits are what sampling reads directly.
   head_ = ServingLinear(cfg_.tie_embeddings ? tok_ : p.take("head.weight"), at::Tensor(),
-                        format == WeightFormat::kQ4_0 ? WeightFormat::kInt8 : format, bf16_dot);
+                        format == WeightFormat::kQ4_0 || format == WeightFormat::kQ4_1 ? WeightFormat::kInt8 : format, bf16_dot);
   if (!p.by_name.empty()) {
     TS_CHECK(false, p.source, ": tensor \"", p.by_name.begin()->first, "\" is not part of a model with config ",
              cfg_.to_json().dump(), " (", p.by_name.size(), " unused)");
