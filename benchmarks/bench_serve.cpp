@@ -39,6 +39,7 @@
 #include "bench_report.h"
 #include "bench_serve.h"
 #include "bench_serve_load.h"
+#include "bench_serve_peers.h"
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/text.h"
@@ -54,33 +55,40 @@ using namespace serve_load;
 namespace {
 namespace fs = std::filesystem;
 
-// Validation loss of the model in a weight format, on the corpus's validation split.
-double val_loss(const checkpoint::Model& m, inference::WeightFormat f, int windows) {
+}  // namespace
+
+double val_loss(const checkpoint::Model& m, inference::WeightFormat f, const data::TokenIds& val, int64_t window, int windows,
+                at::ScalarType kv_dtype) {
   inference::InferenceModel model(m, f);
   const auto& c = model.config();
-  const data::TextCorpus corpus = data::TextCorpus::load(data::kDefaultCorpus, 0.1, c.seq_len + 1);
-  const auto kvo = inference::KVCacheOptions().block_size(16).dtype(inference::default_kv_dtype(f));  // as serve's auto
+  window = std::min(window, c.seq_len);
+  const int64_t bs = 16, nb = inference::blocks_for(window, bs);
+  const auto kvo = inference::KVCacheOptions().block_size(bs).dtype(kv_dtype != at::ScalarType::Undefined ? kv_dtype
+                                                                                                          : inference::default_kv_dtype(f));  // as serve's auto
   inference::KVCache cache(c.n_layer, model.local_kv_heads(), model.head_dim(),
                            inference::KVCacheOptions(kvo).budget_mb(
                                static_cast<double>(inference::KVCache::bytes_per_block(c.n_layer, model.local_kv_heads(), model.head_dim(), kvo) *
-                                                   inference::blocks_for(c.seq_len, 16)) / 1048576.0 + 0.01));
+                                                   nb) / 1048576.0 + 0.01));
   std::vector<int32_t> table;
-  for (int64_t b = 0; b < inference::blocks_for(c.seq_len, 16); ++b) table.push_back(static_cast<int32_t>(b));
+  for (int64_t b = 0; b < nb; ++b) table.push_back(static_cast<int32_t>(b));
   double total = 0;
   int64_t count = 0;
-  const int64_t stride = std::max<int64_t>(1, (static_cast<int64_t>(corpus.val.size()) - c.seq_len - 1) / windows);
+  const int64_t stride = std::max<int64_t>(1, (static_cast<int64_t>(val.size()) - window - 1) / windows);
   for (int w = 0; w < windows; ++w) {
     const int64_t off = w * stride;
-    if (off + c.seq_len + 1 > static_cast<int64_t>(corpus.val.size())) break;
+    if (off + window + 1 > static_cast<int64_t>(val.size())) break;
     inference::StepPlan p;
-    p.seqs.push_back({0, std::vector<int64_t>(corpus.val.begin() + off, corpus.val.begin() + off + c.seq_len), table, true, true});
+    p.seqs.push_back({0, std::vector<int64_t>(val.begin() + off, val.begin() + off + window), table, true, true});
     at::Tensor logits = model.forward(p, cache);
-    at::Tensor tgt = at::tensor(std::vector<int64_t>(corpus.val.begin() + off + 1, corpus.val.begin() + off + c.seq_len + 1), at::kLong);
-    total += at::cross_entropy_loss(logits, tgt).item<double>() * static_cast<double>(c.seq_len);
-    count += c.seq_len;
+    at::Tensor tgt = at::tensor(std::vector<int64_t>(val.begin() + off + 1, val.begin() + off + window + 1), at::kLong);
+    total += at::cross_entropy_loss(logits, tgt).item<double>() * static_cast<double>(window);
+    count += window;
   }
+  TS_CHECK(count > 0, "val_loss: ", val.size(), " validation tokens are too few for a window of ", window);
   return total / static_cast<double>(count);
 }
+
+namespace {
 
 // The newest model under runs/ trained on bytes (the demo's GPT): val_loss reads the corpus as
 // bytes, and the demo's fine-tuned SmolLM2 (its own tokenizer, 8192-token context) is not
@@ -114,15 +122,18 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   BenchReport report("serve");
   // --spec narrows a run to some parts (for tuning; targets need the full run):
   // {"formats": ["fp32"], "clients": [16], "peers": false, "tp2": false, "burst": false, "poisson": false,
-  //  "quality": false, "server_args": ["--max-batched-tokens", "256"], "gpt": false, "smollm2": false}
-  // ("gpt": false skips the GPT-2-shaped model's part, "smollm2": false the real model's.)
+  //  "quality": false, "server_args": ["--max-batched-tokens", "256"], "gpt": false, "smollm2": false, "peers_serve": false,
+  //  "features": false}
+  // ("gpt": false skips the GPT-2-shaped model's part, "smollm2": false the real model's, "peers_serve": false the
+  // llama.cpp/vLLM comparison of bench_serve_peers.cpp, "features": false the prefix caching, speculative
+  // decoding and 4-bit perplexity cases of bench_serve_features.cpp.)
   const nlohmann::json only = args.spec.empty() ? nlohmann::json::object() : nlohmann::json::parse(args.spec);
   TS_CHECK(only.is_object(), "bench serve --spec: a JSON object, got ", only.dump());
   for (const auto& [key, value] : only.items()) {
     static const std::set<std::string> known{"formats", "clients", "peers", "tp2", "burst", "poisson", "quality", "server_args",
-                                             "gpt", "smollm2"};
+                                             "gpt", "smollm2", "peers_serve", "features"};
     TS_CHECK(known.count(key) > 0, "bench serve --spec: unknown key \"", key,
-             "\" (known: formats, clients, peers, tp2, burst, poisson, quality, server_args, gpt, smollm2)");
+             "\" (known: formats, clients, peers, tp2, burst, poisson, quality, server_args, gpt, smollm2, peers_serve, features)");
   }
   TS_CHECK(only.value("server_args", std::vector<std::string>{}).size() % 2 == 0,
            "bench serve --spec: server_args must be flag-value pairs, got ", only["server_args"].dump());
@@ -132,7 +143,7 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   const fs::path dir = fs::absolute("bench-serve.tmp");
   fs::create_directories(dir);
   const std::vector<std::string> formats = only.contains("formats") ? only["formats"].get<std::vector<std::string>>()
-                                           : args.quick ? std::vector<std::string>{"fp32"} : std::vector<std::string>{"fp32", "bf16", "int8"};
+                                           : args.quick ? std::vector<std::string>{"fp32"} : std::vector<std::string>{"fp32", "bf16", "int8", "q4_0", "q4_1"};
   if (!only.value("gpt", true)) {  // the real model's part alone
     std::string py;
     const std::string out = (dir / "env.txt").string();
@@ -140,7 +151,9 @@ int run_serve(const BenchArgs& args, const std::string& self) {
       std::ifstream in(out);
       std::getline(in, py);
     }
-    serve_smollm2(args, self, py, dir, formats, report);
+    if (only.value("smollm2", true)) serve_smollm2(args, self, py, dir, formats, report);
+    if (only.value("features", true)) serve_features(args, self, dir, report);  // prefix caching, speculative decoding, 4-bit quality
+    if (only.value("peers_serve", true)) serve_peers(args, self, dir, formats, report);  // llama.cpp, vLLM
     report.finish(args);
     fs::remove_all(dir);
     return 0;
@@ -439,18 +452,26 @@ int run_serve(const BenchArgs& args, const std::string& self) {
   const std::string trained = only.value("quality", true) ? newest_trained_model() : std::string();
   if (!trained.empty()) {
     const checkpoint::Model tm = checkpoint::load_model(trained);
-    const double f32 = val_loss(tm, inference::WeightFormat::kFP32, args.quick ? 4 : 16);
-    for (auto f : {inference::WeightFormat::kBF16, inference::WeightFormat::kInt8}) {
-      const double l = val_loss(tm, f, args.quick ? 4 : 16);
+    const int64_t window = tm.config.at("model").at("seq_len").get<int64_t>();
+    const data::TokenIds val = data::TextCorpus::load(data::kDefaultCorpus, 0.1, window + 1).val;
+    const double f32 = val_loss(tm, inference::WeightFormat::kFP32, val, window, args.quick ? 4 : 16);
+    for (auto f : {inference::WeightFormat::kBF16, inference::WeightFormat::kInt8, inference::WeightFormat::kQ4_0,
+                   inference::WeightFormat::kQ4_1}) {
+      const double l = val_loss(tm, f, val, window, args.quick ? 4 : 16);
       std::printf("bench serve: validation loss of %s (%s weights) %.4f vs fp32 %.4f (%+.2f%%)\n", trained.c_str(),
                   inference::weight_format_name(f), l, f32, 100 * (l - f32) / f32);
       report.add_result({{"case", "quality"}, {"model", trained}, {"weights", inference::weight_format_name(f)}, {"val_loss", l}, {"fp32_val_loss", f32}});
-      report.add_target(concat(inference::weight_format_name(f), " weights: validation loss change vs fp32"), std::abs(l - f32) / f32, 0.01, false);
+      // (4-bit: its target is on perplexity, the real model's, in serve_features)
+      if (f != inference::WeightFormat::kQ4_0 && f != inference::WeightFormat::kQ4_1) {
+        report.add_target(concat(inference::weight_format_name(f), " weights: validation loss change vs fp32"), std::abs(l - f32) / f32, 0.01, false);
+      }
     }
   } else {
-    std::printf("bench serve: no trained model under runs/ (scripts/demo makes one): quality of bf16/int8 weights not measured\n");
+    std::printf("bench serve: no trained model under runs/ (scripts/demo makes one): quality of bf16/int8/4-bit weights not measured\n");
   }
   if (only.value("smollm2", true) && !args.quick) serve_smollm2(args, self, py, dir, formats, report);
+  if (only.value("features", true)) serve_features(args, self, dir, report);  // prefix caching, speculative decoding, 4-bit quality
+  if (only.value("peers_serve", true)) serve_peers(args, self, dir, formats, report);  // llama.cpp, vLLM
   report.finish(args);
   fs::remove_all(dir);
   return 0;

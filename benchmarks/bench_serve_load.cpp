@@ -114,8 +114,9 @@ Sample stream_request(int port, const std::string& model, const nlohmann::json& 
       if (ev.rfind("data: ", 0) != 0 || ev == "data: [DONE]") continue;
       const auto j = nlohmann::json::parse(ev.substr(6), nullptr, false);
       if (j.is_discarded()) continue;
-      if (j.contains("usage") && j["choices"].empty()) s.tokens = j["usage"]["completion_tokens"].get<int64_t>();
-      else at.push_back(Clock::now());
+      // The usage may ride on the last event with text (llama-server's finish chunk) or on one of its own (ours, vLLM).
+      if (j.contains("usage") && j["usage"].is_object()) s.tokens = j["usage"]["completion_tokens"].get<int64_t>();
+      if (!j["choices"].empty()) at.push_back(Clock::now());
     }
     return true;
   };
@@ -225,7 +226,7 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
-Child start_server(const std::vector<std::string>& argv, int port, const std::string& log) {
+Child start_server(const std::vector<std::string>& argv, int port, const std::string& log, int health_timeout_s) {
   std::vector<char*> a;
   for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
   a.push_back(nullptr);
@@ -238,14 +239,15 @@ Child start_server(const std::vector<std::string>& argv, int port, const std::st
   TS_CHECK(posix_spawn(&c.pid, a[0], &fa, nullptr, a.data(), environ) == 0, "bench serve: cannot start ", argv[0]);
   posix_spawn_file_actions_destroy(&fa);
   httplib::Client cli("127.0.0.1", port);
-  for (int i = 0; i < 1200; ++i) {
+  for (int i = 0; i < 10 * health_timeout_s; ++i) {
     auto res = cli.Get("/health");
     if (res && res->status == 200) return c;
     int st;
     TS_CHECK(waitpid(c.pid, &st, WNOHANG) == 0, "bench serve: the server exited at startup; see ", log);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  TS_CHECK(false, "bench serve: the server did not become healthy in 120 s; see ", log);
+  stop_server(c);  // no guard holds it yet: a server that never got healthy must not outlive the check
+  TS_CHECK(false, "bench serve: the server did not become healthy in ", health_timeout_s, " s; see ", log);
   return c;
 }
 

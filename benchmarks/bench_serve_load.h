@@ -100,7 +100,9 @@ struct Child {
   int port = 0;
 };
 
-Child start_server(const std::vector<std::string>& argv, int port, const std::string& log);
+// Started and polled on GET /health until it answers 200 (stopped again and an error after
+// health_timeout_s: vLLM's start compiles its model for a minute).
+Child start_server(const std::vector<std::string>& argv, int port, const std::string& log, int health_timeout_s = 120);
 
 void stop_server(Child& c);
 

@@ -19,6 +19,16 @@ namespace torchspeed::bench {
 using namespace serve_load;
 namespace fs = std::filesystem;
 
+std::string smollm2_gguf(const fs::path& dir) {
+  std::string gguf;
+  const std::string out = (dir / "smollm2.txt").string();
+  if (launcher::run_command({std::string(TORCHSPEED_SOURCE_DIR) + "/scripts/smollm2"}, out, (dir / "smollm2.err").string()) == 0) {
+    std::ifstream in(out);
+    std::getline(in, gguf);
+  }
+  return gguf;
+}
+
 // SmolLM2-135M-Instruct from its GGUF (scripts/smollm2: Q4_1, dequantized as both sides load
 // it) served in each weight format beside transformers' LlamaForCausalLM reading the same file in
 // fp32 and bf16: batch-1 decode and 16 prompts at once, the same 16 prompts of 64 token ids
@@ -26,14 +36,7 @@ namespace fs = std::filesystem;
 void serve_smollm2(const BenchArgs& args, const std::string& self, const std::string& py, const fs::path& dir,
                    const std::vector<std::string>& formats, BenchReport& report) {
   const std::string src = TORCHSPEED_SOURCE_DIR;
-  std::string gguf;
-  {
-    const std::string out = (dir / "smollm2.txt").string();
-    if (launcher::run_command({src + "/scripts/smollm2"}, out, (dir / "smollm2.err").string()) == 0) {
-      std::ifstream in(out);
-      std::getline(in, gguf);
-    }
-  }
+  const std::string gguf = smollm2_gguf(dir);
   if (gguf.empty()) {
     std::printf("bench serve: scripts/smollm2 failed (see %s): no SmolLM2 rows\n", (dir / "smollm2.err").c_str());
     return;
