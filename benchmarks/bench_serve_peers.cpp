@@ -28,10 +28,12 @@
 #include <mutex>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 
 #include "bench_serve.h"
 #include "bench_serve_load.h"
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/data/bpe_internal.h"
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/runtime/error.h"
@@ -42,29 +44,16 @@ using namespace serve_load;
 namespace fs = std::filesystem;
 namespace {
 
-std::string utf8(uint32_t cp) {
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
-
 // The byte vocabulary as a byte-level BPE without merges: token b is byte b spelled as GPT-2's
 // byte-to-unicode character. llama.cpp (a "gpt2" GGUF vocabulary) and transformers/vLLM (this
 // tokenizer.json) then read and print text as the byte tokenizer does, ids equal to bytes; our
 // GGUF reader and llama.cpp have no byte vocabulary of their own to write instead.
 nlohmann::json byte_tokenizer_json() {
-  std::vector<bool> printable(256, false);
-  for (int b = '!'; b <= '~'; ++b) printable[static_cast<size_t>(b)] = true;
-  for (int b = 0xA1; b <= 0xAC; ++b) printable[static_cast<size_t>(b)] = true;
-  for (int b = 0xAE; b <= 0xFF; ++b) printable[static_cast<size_t>(b)] = true;
+  std::string to_unicode[256];
+  std::unordered_map<std::string, uint8_t> to_byte;
+  data::bpe::make_byte_map(to_unicode, to_byte);  // the BPE tokenizer's own bytes_to_unicode
   nlohmann::json vocab = nlohmann::json::object();
-  uint32_t next = 256;
-  for (int b = 0; b < 256; ++b) vocab[utf8(printable[static_cast<size_t>(b)] ? static_cast<uint32_t>(b) : next++)] = b;
+  for (int b = 0; b < 256; ++b) vocab[to_unicode[b]] = b;
   const nlohmann::json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
   return {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", nlohmann::json::array()},
           {"normalizer", nullptr}, {"pre_tokenizer", byte_level}, {"post_processor", nullptr}, {"decoder", byte_level},
