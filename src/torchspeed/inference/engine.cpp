@@ -305,19 +305,13 @@ bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
       if (k > 0) drafts = ngram_propose(s.tokens, spec.prompt_lookup_min(), spec.prompt_lookup_max(), k);
       if (!drafts.empty() && !ensure_blocks(s, s.computed + 1 + static_cast<int64_t>(drafts.size()))) drafts.clear();
     }
-    if (drafts.empty()) {
-      add(s, 1);
-      continue;
+    add(s, 1);
+    if (!drafts.empty()) {  // the decode token, then its drafts, every row's logits
+      SeqChunk& c = plan.seqs.back();
+      c.tokens.insert(c.tokens.end(), drafts.begin(), drafts.end());
+      c.all_logits = c.want_logits = c.speculative = true;
+      budget -= static_cast<int64_t>(drafts.size());
     }
-    SeqChunk c;
-    c.start = s.computed;
-    c.tokens = {s.tokens.back()};
-    c.tokens.insert(c.tokens.end(), drafts.begin(), drafts.end());
-    c.blocks = s.blocks;
-    c.all_logits = c.want_logits = c.speculative = true;
-    budget -= static_cast<int64_t>(c.tokens.size());
-    plan.seqs.push_back(std::move(c));
-    order.push_back(&s);
   }
   // Then prompt chunks of running sequences, with the blocks that are free: preempting here
   // could take a sequence already planned above.
