@@ -103,7 +103,7 @@ std::string encode(Type type, const float* x, int64_t n) {
     }
     case Type::kQ4_0: {
       // quantize_row_q4_0_ref: d = the value of largest magnitude / -8; low nibbles hold values
-      // 0-15, high 16-31 (the same numbers as inference::quantize_q4 packs for its kernel).
+      // 0-15, high 16-31 (inference::quantize_q4 repacks these blocks for its kernel).
       TS_CHECK(n % 32 == 0, "GGUF writer: Q4_0 needs a multiple of 32 values, not ", n);
       for (int64_t b = 0; b < n; b += 32) {
         float amax = 0.f, max = 0.f;

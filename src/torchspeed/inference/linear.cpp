@@ -19,7 +19,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
-#include <c10/util/Half.h>
 // GCC 12 warns about the "undefined" vectors inside its own AVX-512 headers (a false positive).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -33,6 +32,7 @@
 #include <cstring>
 #include <string>
 
+#include "torchspeed/checkpoint/gguf_writer.h"
 #include "torchspeed/inference/linear_bf16.h"
 #include "torchspeed/runtime/error.h"
 
@@ -70,37 +70,27 @@ Q4Weights quantize_q4(const at::Tensor& weight, bool with_min) {
   uint8_t* qp = q.qs.data_ptr<uint8_t>();
   int16_t* dp = q.d.data_ptr<int16_t>();
   int16_t* mp = with_min ? q.m.data_ptr<int16_t>() : nullptr;
+  // ggml's blocks from the GGUF writer's encoder (quantize_row_q4_{0,1}_ref), repacked: a block
+  // is d (fp16), for Q4_1 m (fp16), then 16 bytes whose low nibbles are k 0-15, high 16-31.
+  const auto type = with_min ? checkpoint::gguf::Type::kQ4_1 : checkpoint::gguf::Type::kQ4_0;
+  const int64_t block = with_min ? 20 : 18, G = Kp / 32;
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     uint8_t nib[64];
     for (int64_t o = b; o < e; ++o) {
-      for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
-        for (int g = 0; g < 2; ++g) {
-          const float* x = wp + o * Kp + k0 + 32 * g;
-          const int64_t at_group = o * (Kp / 32) + k0 / 32 + g;
-          if (with_min) {  // quantize_row_q4_1_ref
-            float lo = x[0], hi = x[0];
-            for (int j = 1; j < 32; ++j) {
-              lo = std::min(lo, x[j]);
-              hi = std::max(hi, x[j]);
-            }
-            const float d = (hi - lo) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            dp[at_group] = static_cast<int16_t>(c10::Half(d).x);  // round to nearest even, as GGML_FP32_TO_FP16
-            mp[at_group] = static_cast<int16_t>(c10::Half(lo).x);
-            for (int j = 0; j < 32; ++j) nib[32 * g + j] = static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>((x[j] - lo) * id + 0.5f))));
-          } else {  // quantize_row_q4_0_ref
-            float amax = 0.0f, max = 0.0f;
-            for (int j = 0; j < 32; ++j) {
-              if (amax < std::fabs(x[j])) {
-                amax = std::fabs(x[j]);
-                max = x[j];
-              }
-            }
-            const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            dp[at_group] = static_cast<int16_t>(c10::Half(d).x);
-            for (int j = 0; j < 32; ++j) nib[32 * g + j] = static_cast<uint8_t>(std::min(15, static_cast<int>(static_cast<int8_t>(x[j] * id + 8.5f))));
-          }
+      const std::string blocks = checkpoint::gguf::encode(type, wp + o * Kp, Kp);
+      for (int64_t g = 0; g < G; ++g) {
+        const auto* blk = reinterpret_cast<const uint8_t*>(blocks.data()) + g * block;
+        std::memcpy(dp + o * G + g, blk, 2);
+        if (with_min) std::memcpy(mp + o * G + g, blk + 2, 2);
+        const uint8_t* qs = blk + block - 16;
+        uint8_t* half = nib + 32 * (g % 2);
+        for (int j = 0; j < 16; ++j) {
+          half[j] = qs[j] & 15;
+          half[16 + j] = qs[j] >> 4;
         }
-        for (int j = 0; j < 32; ++j) qp[o * (Kp / 2) + k0 / 2 + j] = static_cast<uint8_t>(nib[j] | (nib[32 + j] << 4));
+        if (g % 2 == 1) {  // a pair of groups: byte j holds the first's k j low, the second's high
+          for (int j = 0; j < 32; ++j) qp[o * (Kp / 2) + (g / 2) * 32 + j] = static_cast<uint8_t>(nib[j] | (nib[32 + j] << 4));
+        }
       }
     }
   });

@@ -22,7 +22,8 @@ const char* weight_format_name(WeightFormat f);
 // ggml's 4-bit quantization of w [N, K], per group of 32 along k: Q4_0 (quantize_row_q4_0_ref:
 // d = the value of largest magnitude / -8 rounded to fp16, q = min(15, trunc(x / d + 8.5)), the
 // value d (q - 8)) or, `with_min`, Q4_1 (quantize_row_q4_1_ref: d = (max - min) / 15 and m = min
-// rounded to fp16, q = min(15, trunc((x - min) / d + 0.5)), the value d q + m). Packed for
+// rounded to fp16, q = min(15, trunc((x - min) / d + 0.5)), the value d q + m), by the GGUF
+// writer's encoder (checkpoint/gguf_writer.h), so the numbers are those of a GGUF file. Packed for
 // q4_bf16_dot_rows: K padded with zeros to Kp (a multiple of kQ4Align), qs uint8 [N, Kp / 2]
 // (byte j of each 64 k: k = j low nibble, k = 32 + j high), d and m int16 [N, Kp / 32] (fp16
 // bits; m undefined for Q4_0).
