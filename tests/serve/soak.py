@@ -382,6 +382,20 @@ def proc_figures(pid):
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": len(os.listdir(f"/proc/{pid}/task")), "rss": rss, "peak_rss": hwm}
 
 
+def settled_figures(pid, than=None, seconds=5.0):
+    """proc_figures once the server has closed the connections it was last asked on: the /metrics
+    poll that found it idle closes from our side first, so its socket may still be open on the
+    server's for a moment. The fewest descriptors seen in `seconds` (sooner if at most `than`)."""
+    best = proc_figures(pid)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and (than is None or best["fds"] > than):
+        time.sleep(0.05)
+        now = proc_figures(pid)
+        if now["fds"] < best["fds"]:
+            best = now
+    return best
+
+
 def wait_idle(timeout):
     end = time.monotonic() + timeout
     m = {}
@@ -564,14 +578,14 @@ def main():
         check_cancellation(failures)
         st0, _, _ = run_round(args.warmup, args.clients)
         idle0, _ = wait_idle(60)
-        plateau = proc_figures(proc.pid)
+        plateau = settled_figures(proc.pid, seconds=1.0)
         print(f"plateau after {args.warmup:.0f} s warm-up: {plateau} (idle: {idle0}); warm-up counts {st0.counts}", flush=True)
 
         t0 = time.monotonic()
         st, lat, bad_health = run_round(args.seconds, args.clients)
         wall = time.monotonic() - t0
         idle, m = wait_idle(60)
-        after = proc_figures(proc.pid)
+        after = settled_figures(proc.pid, than=plateau["fds"])
         alive = proc.poll() is None
 
         failures += st.failures
@@ -586,7 +600,14 @@ def main():
         if leaked_blocks != 0:
             failures.append(f"{leaked_blocks} KV blocks still held")
         if leaked_fds > 0:
-            failures.append(f"{leaked_fds} more file descriptors than at the plateau")
+            fds = []
+            for fd in sorted(os.listdir(f"/proc/{proc.pid}/fd"), key=int):
+                try:
+                    fds.append(f"{fd}:{os.readlink(f'/proc/{proc.pid}/fd/{fd}')}")
+                except OSError:
+                    pass
+            failures.append(f"{leaked_fds} more file descriptors than at the plateau ({plateau['fds']}); "
+                            f"open now: {' '.join(fds)}")
         if leaked_threads > 0:
             failures.append(f"{leaked_threads} more threads than at the plateau")
         if after["rss"] > plateau["rss"] * 1.15 + (32 << 20):
