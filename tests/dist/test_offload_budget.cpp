@@ -1,4 +1,4 @@
-// Training whose model states are over 3x the memory each process may use: a GPT of ~200M
+// Training whose model states are over 3x the memory each process may use: a GPT of ~130M
 // parameters in bf16 (model states = parameters 2 + gradients 2 + fp32 master 4 + moments 8
 // bytes per parameter, what one in-memory process holds) under a budget of a third of that on
 // top of the process's memory before the model exists. The budget is enforced by a memory
@@ -39,7 +39,7 @@ torchspeed::models::GPTConfig gpt() {
   torchspeed::models::GPTConfig g;
   g.seq_len = 32;
   g.d_model = 512;
-  g.n_layer = 64;
+  g.n_layer = 40;
   g.n_head = 8;
   return g;
 }
