@@ -15,6 +15,7 @@ model has seq_len 32).
 """
 
 import argparse
+import concurrent.futures
 import email.utils
 import http.client
 import json
@@ -458,6 +459,67 @@ def check_topk_topp_greedy():
     check(p0 == greedy, f"top_p=1e-6 {p0!r} != greedy {greedy!r}")
 
 
+def repeats(text):
+    """Characters (the byte model's tokens) that repeat one already in the text."""
+    return len(text) - len(set(text))
+
+
+def check_sampling_parameters():
+    """Each of OpenAI's and vLLM's sampling parameters changes the output as they document."""
+    n = tokens_for(4, 48)
+    greedy = complete("The ", max_tokens=n, temperature=0).choices[0].text
+    check(repeats(greedy) > 0, f"the greedy text repeats nothing, nothing to penalize: {greedy!r}")
+    # Penalties lower repeats: frequency and presence on the output, repetition on prompt and output.
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}):
+        t = complete("The ", max_tokens=n, temperature=0, **kw).choices[0].text
+        check(repeats(t) < repeats(greedy), f"{kw}: {repeats(t)} repeats in {t!r}, greedy had {repeats(greedy)}")
+    # Negative penalties encourage them.
+    t = complete("The ", max_tokens=n, temperature=0, frequency_penalty=-2.0).choices[0].text
+    check(repeats(t) >= repeats(greedy), f"frequency_penalty -2: {repeats(t)} repeats, greedy had {repeats(greedy)}")
+    # logit_bias -100 bans a token (the byte model's token id is the byte), +100 forces one.
+    top = max(set(greedy), key=greedy.count)
+    t = complete("The ", max_tokens=n, temperature=0, logit_bias={str(ord(top)): -100}).choices[0].text
+    check(top not in t, f"logit_bias -100 on {top!r}: it is still in {t!r}")
+    t = complete("The ", max_tokens=8, temperature=0.9, seed=5, logit_bias={str(ord("q")): 100}).choices[0].text
+    check(t == "q" * 8, f"logit_bias +100 on 'q': {t!r}")
+    # stop_token_ids end the text at the token, which is not shown; min_tokens holds it back.
+    stop_char = greedy[3]
+    r = complete("The ", max_tokens=n, temperature=0, extra_body={"stop_token_ids": [ord(stop_char)]}).choices[0]
+    check(r.finish_reason == "stop" and r.text == greedy[:greedy.index(stop_char)],
+          f"stop_token_ids [{ord(stop_char)}]: {r.text!r} ({r.finish_reason}), greedy {greedy!r}")
+    m = greedy.index(stop_char) + 2
+    r = complete("The ", max_tokens=n, temperature=0, extra_body={"stop_token_ids": [ord(stop_char)], "min_tokens": m})
+    c = r.choices[0]
+    check(r.usage.completion_tokens >= m and stop_char not in c.text[:m],
+          f"min_tokens {m}: {c.text!r} ({r.usage.completion_tokens} tokens, {c.finish_reason})")
+    # Stop strings also wait for min_tokens: one may end in the 6th token at the earliest.
+    r = complete("The ", max_tokens=n, temperature=0, stop=[greedy[1:3]], extra_body={"min_tokens": 6}).choices[0]
+    check(len(r.text) >= 5 and r.text == greedy[:len(r.text)], f"min_tokens 6 with stop {greedy[1:3]!r}: {r.text!r}")
+    # min_p 1 keeps only the most likely token: greedy whatever the temperature.
+    t = complete("The ", max_tokens=n, temperature=1.5, seed=2, extra_body={"min_p": 1.0}).choices[0].text
+    check(t == greedy, f"min_p 1: {t!r} != greedy {greedy!r}")
+    # best_of: that many candidates (seeds seed + k, as n gives them), the one with the highest
+    # log-probability per token returned, every candidate's tokens in usage.
+    k = 4
+    cands = complete("The ", max_tokens=12, temperature=1.0, seed=21, n=k, logprobs=0,
+                     extra_body={"ignore_eos": True}).choices
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in cands]
+    best = cands[mean.index(max(mean))].text
+    r = complete("The ", max_tokens=12, temperature=1.0, seed=21, best_of=k, extra_body={"ignore_eos": True})
+    check(len(r.choices) == 1 and r.choices[0].text == best,
+          f"best_of {k}: {[c.text for c in r.choices]}, want {best!r} of {[c.text for c in cands]} ({mean})")
+    check(r.choices[0].logprobs is None, "best_of without logprobs returned logprobs")
+    check(r.usage.completion_tokens == 12 * k, f"best_of {k}: usage {r.usage!r}, want {12 * k} completion tokens")
+    # The same seed gives the same tokens alone and beside other requests, penalties and all.
+    kw = {"max_tokens": 24, "temperature": 0.9, "seed": 31, "presence_penalty": 0.7, "frequency_penalty": 0.3,
+          "extra_body": {"repetition_penalty": 1.2, "min_p": 0.02, "top_k": 40}}
+    alone = complete("The ", **kw).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futs = [pool.submit(complete, p, **kw) for p in ("The ", "A cat ", "The ", "Why ", "The ", "No ")]
+        texts = [f.result().choices[0].text for f in futs]
+    check(all(t == alone for t in texts[0::2]), f"seed 31 alone {alone!r}, in a batch {texts[0::2]}")
+
+
 def check_stream_equals_nonstream():
     n = tokens_for(4, 40)
     for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
@@ -688,6 +750,18 @@ def check_bad_ranges():
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": [72, 300]}, "prompt"),  # vocab is 256: token 300 does not exist
         ({"prompt": [72, -1]}, "prompt"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"300": 1}}, "logit_bias.300"),
+        ({"logit_bias": {"7": 101}}, "logit_bias.7"),
+        ({"logit_bias": {"x": 1}}, "logit_bias.x"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+        ({"stop_token_ids": [256]}, "stop_token_ids"),
+        ({"best_of": 2, "n": 3}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
     ]
     for fields, param in cases:
         body = completions_body(prompt="Hi", max_tokens=2)
@@ -924,6 +998,7 @@ CHECKS = [
     ("completion_greedy", check_completion_greedy),
     ("determinism", check_determinism),
     ("topk_topp_greedy", check_topk_topp_greedy),
+    ("sampling_parameters", check_sampling_parameters),
     ("stream_equals_nonstream", check_stream_equals_nonstream),
     ("stop", check_stop),
     ("n", check_n),

@@ -299,6 +299,15 @@ std::vector<Collected> run_requests(Fixture& f, const EngineOptions& o, const st
     p.top_p = sampled ? 0.95 : 1.0;
     p.seed = 100 + which[i];
     p.max_tokens = 12 + which[i] % 5;
+    if (which[i] % 3 == 1) {  // penalties and bias read the sequence's own history only
+      p.repetition_penalty = 1.3;
+      p.frequency_penalty = 0.4;
+      p.presence_penalty = 0.2;
+      p.logit_bias = {{static_cast<int64_t>(which[i]) * 11 % 256, 2.5f}};
+    } else if (which[i] % 3 == 2) {
+      p.min_p = 0.05;
+      p.min_tokens = 4;
+    }
     Collected* c = &out[i];
     auto id = engine.submit(prompt_of(which[i], 5 + (which[i] * 7) % 30), p, [c](const RequestEvent& ev) {
       for (const auto& t : ev.tokens) c->tokens.push_back(t.id);
@@ -484,6 +493,10 @@ TEST(Engine, SpeculativeDecodingGivesThePlainTokens) {
       for (size_t i = 0; i < which.size(); ++i) {
         SamplingParams p;
         p.temperature = which[i] % 4 == 3 ? 0.9 : 0.0;  // every fourth sampled
+        if (which[i] % 4 == 1) {  // greedy on penalized logits: drafts are checked against those
+          p.repetition_penalty = 1.2;
+          p.presence_penalty = 0.3;
+        }
         p.seed = 3 + which[i];
         p.max_tokens = 20 + which[i] % 7;
         p.logprobs = 2;

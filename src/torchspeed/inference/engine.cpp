@@ -113,7 +113,7 @@ struct Engine::Sequence {
   int64_t prompt_lp_count = 0;  // prompt logprobs produced (a preempted prompt recomputes: not twice)
   std::vector<GeneratedToken> new_tokens, prompt_lps;
   bool stopped = false;
-  Sequence(const SamplingParams& p) : params(p), sampler(p), text(p.stop) {}
+  Sequence(const SamplingParams& p, int64_t eos) : params(p), sampler(p, eos), text(p.stop) {}
 };
 
 KVCacheOptions resolve_kv(const KVCacheOptions& kv, const InferenceModel& model) {
@@ -184,7 +184,7 @@ std::optional<std::vector<uint64_t>> Engine::submit_all(std::vector<Submission> 
              prompt.size(), " tokens) and max_tokens (", params.max_tokens, ") exceed the model's context of ", ctx,
              " tokens");
     for (int64_t t : prompt) TS_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
-    auto s = std::make_unique<Sequence>(params);
+    auto s = std::make_unique<Sequence>(params, eos_);
     s->prompt_len = static_cast<int64_t>(prompt.size());
     s->tokens = std::move(sub.prompt);
     s->sink = std::move(sub.sink);
@@ -446,7 +446,7 @@ bool Engine::step() {
       // The next token from one row of logits; true when the sequence is finished.
       auto take = [&](const float* logits_row) {
         GeneratedToken g;
-        g.id = s.sampler.sample(logits_row, vocab, &g.logprobs);
+        g.id = s.sampler.sample(logits_row, vocab, &g.logprobs, s.tokens, s.prompt_len);
         s.tokens.push_back(g.id);
         ++s.generated;
         ++ls_.generated_tokens;
@@ -457,11 +457,14 @@ bool Engine::step() {
           ls_.itl.observe(std::chrono::duration<double>(now - s.last_token).count());
         }
         s.last_token = now;
-        const auto& stop_ids = s.params.stop_token_ids;
-        if ((g.id == eos_ || std::find(stop_ids.begin(), stop_ids.end(), g.id) != stop_ids.end()) && !s.params.ignore_eos) {
-          s.stopped = true;  // the end-of-text token: a stop, its text never shown
+        auto among = [&](const std::vector<int64_t>& ids) { return std::find(ids.begin(), ids.end(), g.id) != ids.end(); };
+        if (((g.id == eos_ || among(s.params.eos_token_ids)) && !s.params.ignore_eos) || among(s.params.stop_token_ids)) {
+          s.stopped = true;  // the end-of-text token, or a stop token: its text never shown
         } else {
-          s.stopped = s.text.append(g.id < tokenizer_->vocab_size() ? tokenizer_->token_bytes(g.id) : std::string());
+          // Stop strings count from min_tokens on (vLLM's check_stop); EOS and stop tokens
+          // were held back by the sampler until then.
+          s.stopped = s.text.append(g.id < tokenizer_->vocab_size() ? tokenizer_->token_bytes(g.id) : std::string(),
+                                    /*stops=*/s.generated >= s.params.min_tokens);
         }
         s.new_tokens.push_back(std::move(g));
         return s.stopped || s.generated >= s.params.max_tokens ||

@@ -71,10 +71,11 @@ std::string token_text(const std::string& b) {
   return out;
 }
 
-bool TextStream::append(const std::string& bytes) {
+bool TextStream::append(const std::string& bytes, bool stops) {
   if (stopped_) return true;
   const size_t before = gen_.size();
   gen_ += bytes;
+  if (!stops) return false;
   size_t cut = std::string::npos;
   for (const std::string& s : stops_) {
     if (s.empty()) continue;

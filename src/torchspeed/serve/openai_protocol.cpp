@@ -98,18 +98,53 @@ void check_model(const json& b, const ProtocolLimits& l) {
   }
 }
 
-// Fields OpenAI defines that we do not implement are refused unless they carry their
-// no-op value; fields OpenAI does not define are refused as OpenAI refuses them.
+// Fields neither OpenAI nor vLLM define, or that we do not implement, are refused as OpenAI
+// refuses unknown ones: by name.
 void check_fields(const json& b, const std::set<std::string>& known) {
   for (const auto& [k, v] : b.items()) {
     if (!known.count(k)) throw ApiError(400, "unrecognized request argument supplied: " + k, k);
   }
-  for (const char* k : {"presence_penalty", "frequency_penalty"}) {
-    if (present(b, k) && (!b.at(k).is_number() || b.at(k).get<double>() != 0.0)) bad(k, "only 0 is supported");
+}
+
+// A list of token ids in the vocabulary, at most `most` of them.
+std::vector<int64_t> token_ids(const json& b, const char* k, int64_t vocab, size_t most) {
+  std::vector<int64_t> out;
+  if (!present(b, k)) return out;
+  const json& v = b.at(k);
+  if (!v.is_array()) bad(k, "expected a list of token ids");
+  if (v.size() > most) bad(k, "at most " + std::to_string(most) + " token ids, got " + std::to_string(v.size()));
+  for (const json& t : v) {
+    if (!t.is_number_integer()) bad(k, "token ids must be integers, got " + shown(t));
+    const int64_t id = t.get<int64_t>();
+    if (id < 0 || id >= vocab) bad(k, "token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    out.push_back(id);
   }
-  if (present(b, "logit_bias") && !(b.at("logit_bias").is_object() && b.at("logit_bias").empty())) {
-    bad("logit_bias", "not supported (only an empty object)");
+  return out;
+}
+
+// OpenAI's logit_bias: {"token id": bias in [-100, 100]}.
+std::vector<std::pair<int64_t, float>> logit_bias(const json& b, int64_t vocab) {
+  std::vector<std::pair<int64_t, float>> out;
+  if (!present(b, "logit_bias")) return out;
+  const json& v = b.at("logit_bias");
+  if (!v.is_object()) bad("logit_bias", "expected an object mapping token ids to biases");
+  for (const auto& [key, bias] : v.items()) {
+    const std::string f = "logit_bias." + bounded(key, 40);
+    int64_t id = -1;
+    size_t used = 0;
+    try {
+      id = std::stoll(key, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != key.size()) bad(f, "a key must be a token id (an integer), got " + shown(json(key)));
+    if (id < 0 || id >= vocab) bad(f, "token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    if (!bias.is_number()) bad(f, "expected a number, got " + shown(bias));
+    const double x = bias.get<double>();
+    if (!(x >= -100 && x <= 100)) bad(f, "must be in [-100, 100], got " + shown(bias));
+    out.emplace_back(id, static_cast<float>(x));
   }
+  return out;
 }
 
 void common_sampling(const json& b, const ProtocolLimits& l, CompletionRequest& r, const char* max_key) {
@@ -144,8 +179,17 @@ void common_sampling(const json& b, const ProtocolLimits& l, CompletionRequest& 
       if (x.empty()) bad("stop", "a stop sequence must not be empty");
     }
   }
+  // OpenAI's penalties, and the extensions vLLM and llama.cpp's server accept (Note [Logits
+  // processing] in sampler.cpp says what each does).
+  p.presence_penalty = get_num(b, "presence_penalty", 0.0, -2.0, 2.0);
+  p.frequency_penalty = get_num(b, "frequency_penalty", 0.0, -2.0, 2.0);
+  p.repetition_penalty = get_num(b, "repetition_penalty", 1.0, 0.0, 1e4, /*open_lo=*/true);
+  p.min_p = get_num(b, "min_p", 0.0, 0.0, 1.0);
+  p.logit_bias = logit_bias(b, l.vocab);
+  p.min_tokens = get_int(b, "min_tokens", 0, 0, p.max_tokens);
+  p.stop_token_ids = token_ids(b, "stop_token_ids", l.vocab, 1024);
   r.n = get_int(b, "n", 1, 1, l.max_n);
-  if (present(b, "best_of") && get_int(b, "best_of", 1, 1, l.max_n) != r.n) bad("best_of", "only best_of == n is supported");
+  r.best_of = r.n;
   r.stream = get_bool(b, "stream", false);
   if (present(b, "stream_options")) {
     const json& so = b.at("stream_options");
@@ -217,11 +261,14 @@ void add_prompt(CompletionRequest& r, std::vector<int64_t> toks, const std::stri
 
 
 void check_choices(const CompletionRequest& r, const ProtocolLimits& l) {
-  const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.n;
-  if (total > l.max_n) bad("n", "prompts x n is " + std::to_string(total) + ", at most " + std::to_string(l.max_n) + " per request");
+  const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.best_of;
+  const char* field = r.best_of > r.n ? "best_of" : "n";
+  if (total > l.max_n) {
+    bad(field, std::string("prompts x ") + field + " is " + std::to_string(total) + ", at most " + std::to_string(l.max_n) + " per request");
+  }
   // The most KV-cache positions the request can hold at once, checked before any work.
   int64_t tokens = 0;
-  for (const auto& p : r.prompts) tokens += (static_cast<int64_t>(p.size()) + r.params.max_tokens) * r.n;
+  for (const auto& p : r.prompts) tokens += (static_cast<int64_t>(p.size()) + r.params.max_tokens) * r.best_of;
   if (l.max_request_tokens > 0 && tokens > l.max_request_tokens) {
     bad("max_tokens", "prompts x n x (prompt + max_tokens) is " + std::to_string(tokens) + " tokens, more than the " +
                           std::to_string(l.max_request_tokens) + " this server holds for one request");
@@ -230,13 +277,18 @@ void check_choices(const CompletionRequest& r, const ProtocolLimits& l) {
 }  // namespace
 
 CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
-  check_fields(b, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs",
-                   "echo", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "best_of",
-                   "logit_bias", "suffix", "ignore_eos"});
+  check_fields(b, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "stop_token_ids", "n", "best_of", "logprobs", "echo", "stream", "stream_options", "user",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "suffix",
+                   "ignore_eos"});
   check_model(b, l);
   if (present(b, "suffix")) bad("suffix", "not supported");
   CompletionRequest r;
   common_sampling(b, l, r, "max_tokens");
+  // OpenAI's best_of: that many completions per prompt, the n with the highest log probability
+  // per token returned (all of them counted in usage); not with stream.
+  r.best_of = get_int(b, "best_of", r.n, r.n, l.max_n);
+  if (r.best_of > r.n && r.stream) bad("best_of", "best_of > n cannot be streamed");
   r.echo = get_bool(b, "echo", false);
   r.logprobs = get_int(b, "logprobs", -1, 0, 20);
   r.params.logprobs = r.logprobs;
@@ -311,9 +363,10 @@ std::string chat_prompt(const json& messages) {
 }
 
 CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
-  check_fields(b, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-                   "stop", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user", "presence_penalty",
-                   "frequency_penalty", "logit_bias", "response_format", "ignore_eos"});
+  check_fields(b, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "seed", "stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                   "response_format", "ignore_eos"});
   check_model(b, l);
   if (present(b, "response_format")) {
     const json& rf = b.at("response_format");
@@ -342,7 +395,7 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
     } catch (const std::exception& e) {
       bad("messages", std::string("the model's chat template refused them: ") + e.what());
     }
-    r.params.stop_token_ids = l.chat->stop_ids;
+    r.params.eos_token_ids = l.chat->stop_ids;
     check_text_fits(l, text, "messages", r.params.max_tokens);
     add_prompt(r, encode(l, text), "messages", l);
   } else {

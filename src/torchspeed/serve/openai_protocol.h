@@ -54,6 +54,7 @@ struct CompletionRequest {
   std::vector<std::string> prompt_texts;      // the prompts as text (echo)
   inference::SamplingParams params;           // per choice; seed + k for choice k
   int64_t n = 1;
+  int64_t best_of = 1;  // >= n: completions generated per prompt (choice k of prompt p: p * best_of + k)
   bool stream = false, echo = false, include_usage = false;
   int64_t logprobs = -1;  // completions: top-N; chat: top_logprobs when logprobs is true
 };

@@ -4,7 +4,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <deque>
 #include <random>
@@ -220,7 +222,33 @@ struct Server::Impl {
       }
     }
     try {
-      job->res.respond(json_response(200, completion_response(job->id, job->created, job->limits, *job->req, job->choices)));
+      const CompletionRequest& r = *job->req;
+      if (r.best_of <= r.n) {
+        job->res.respond(json_response(200, completion_response(job->id, job->created, job->limits, r, job->choices)));
+        return;
+      }
+      // best_of: per prompt, the n candidates with the highest mean log-probability per token,
+      // best first; usage counts every candidate's tokens.
+      std::vector<ChoiceResult> chosen;
+      int64_t generated = 0;
+      for (size_t p = 0; p < r.prompts.size(); ++p) {
+        std::vector<std::pair<double, size_t>> scored;
+        for (int64_t k = 0; k < r.best_of; ++k) {
+          const size_t i = p * static_cast<size_t>(r.best_of) + static_cast<size_t>(k);
+          const ChoiceResult& c = job->choices[i];
+          generated += c.completion_tokens;
+          double sum = 0;
+          for (const auto& t : c.tokens) sum += t.logprobs.logprob;
+          scored.emplace_back(c.tokens.empty() ? -INFINITY : sum / static_cast<double>(c.tokens.size()), i);
+        }
+        std::stable_sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+        for (int64_t k = 0; k < r.n; ++k) chosen.push_back(std::move(job->choices[scored[static_cast<size_t>(k)].second]));
+      }
+      json out = completion_response(job->id, job->created, job->limits, r, chosen);
+      json& usage = out["usage"];
+      usage["completion_tokens"] = generated;
+      usage["total_tokens"] = usage["prompt_tokens"].get<int64_t>() + generated;
+      job->res.respond(json_response(200, out));
     } catch (const std::exception& err) {
       send_error(job->res, ApiError(500, std::string("internal error: ") + err.what(), "", "server_error"));
     }
@@ -250,7 +278,7 @@ struct Server::Impl {
       auto r = std::make_shared<const CompletionRequest>(chat_route ? parse_chat(body, l) : parse_completion(body, l));
       auto job = std::make_shared<Job>();
       job->stream = r->stream;
-      job->total = static_cast<int64_t>(r->prompts.size()) * r->n;
+      job->total = static_cast<int64_t>(r->prompts.size()) * r->best_of;
       job->choices.resize(static_cast<size_t>(job->total));
       job->first.assign(static_cast<size_t>(job->total), true);
       job->text_offset.assign(static_cast<size_t>(job->total), 0);
@@ -263,7 +291,8 @@ struct Server::Impl {
       std::vector<inference::Engine::Submission> group;
       for (int64_t i = 0; i < job->total; ++i) {
         inference::SamplingParams p = r->params;
-        if (p.seed) p.seed = *p.seed + static_cast<uint64_t>(i % r->n);
+        if (p.seed) p.seed = *p.seed + static_cast<uint64_t>(i % r->best_of);
+        if (r->best_of > r->n) p.logprobs = std::max<int64_t>(p.logprobs, 0);  // the chosen tokens' logprobs rank them
         // On the engine's thread: record, and leave the JSON to a worker.
         auto sink = [this, job, i](const inference::RequestEvent& ev) {
           bool post = false;
@@ -290,7 +319,7 @@ struct Server::Impl {
           if (job->stream) http->post([this, job] { flush_stream(job); });
           else http->post([this, job] { answer(job); });
         };
-        group.push_back({r->prompts[static_cast<size_t>(i / r->n)], p, sink});
+        group.push_back({r->prompts[static_cast<size_t>(i / r->best_of)], p, sink});
       }
       if (res.gone()) return;  // the client left while we parsed
       // A request's choices are queued together or not at all. (One by one, whether the last
