@@ -1,8 +1,9 @@
 // libFuzzer target: the OpenAI request parser of serve/openai_protocol.h, which reads every
-// request body a client sends. The first byte picks the route (completions or chat) and the
-// limits; the rest is the body: parse_body (depth-limited JSON), then parse_completion or
-// parse_chat against a byte-level model of 256 tokens. An accepted request must keep its limits
-// (choices, context, token budget) and its answer must be buildable: the whole response and a
+// request body a client sends. The first byte picks the route (completions, chat, /tokenize,
+// /detokenize) and the limits; the rest is the body: parse_body (depth-limited JSON), then the
+// route's parser against a byte-level model of 256 tokens. An accepted request must keep its
+// limits (choices, context, token budget, ids in the vocabulary), its sampling parameters must
+// shape and sample a row of logits, and its answer must be buildable: the whole response and a
 // stream chunk with logprobs for every choice. A refusal is an ApiError with a 4xx status;
 // anything else (a 5xx, another exception, a sanitizer report) is a bug.
 #include <cstddef>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "fuzz_util.h"
+#include "torchspeed/inference/sampler.h"
 #include "torchspeed/serve/openai_protocol.h"
 
 namespace sv = torchspeed::serve;
@@ -24,13 +26,47 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   l.max_n = 1 + (sel >> 1) % 8;
   l.max_tokens = (sel & 4) ? 32 : 0;
   l.max_request_tokens = (sel & 8) ? 512 : 0;
-  const bool chat = sel & 1;
+  const int route = sel & 3;
   const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
   try {
     const nlohmann::json j = sv::parse_body(body);
-    const sv::CompletionRequest r = chat ? sv::parse_chat(j, l) : sv::parse_completion(j, l);
+    if (route >= 2) {
+      const nlohmann::json out = route == 2 ? sv::tokenize(j, l) : sv::detokenize(j, l);
+      (void)out.dump(-1, ' ', false, nlohmann::json::error_handler_t::strict);  // valid UTF-8 or a bug
+      if (route == 2) {
+        for (const auto& t : out.at("tokens")) {
+          if (t.get<int64_t>() < 0 || t.get<int64_t>() >= l.vocab) fuzz::bug("fuzz_openai", "/tokenize gave an id outside the vocabulary");
+        }
+      }
+      return 0;
+    }
+    const sv::CompletionRequest r = route == 1 ? sv::parse_chat(j, l) : sv::parse_completion(j, l);
     const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.n;
-    if (r.prompts.empty() || total > l.max_n) fuzz::bug("fuzz_openai", "accepted a request with " + std::to_string(total) + " choices");
+    const int64_t generated = static_cast<int64_t>(r.prompts.size()) * r.best_of;
+    if (r.prompts.empty() || r.best_of < r.n || generated > l.max_n) {
+      fuzz::bug("fuzz_openai", "accepted a request generating " + std::to_string(generated) + " choices");
+    }
+    const auto& sp = r.params;
+    if (sp.min_tokens < 0 || sp.min_tokens > sp.max_tokens) fuzz::bug("fuzz_openai", "accepted min_tokens past max_tokens");
+    for (const auto& [t, b] : sp.logit_bias) {
+      if (t < 0 || t >= l.vocab || !(b >= -100 && b <= 100)) fuzz::bug("fuzz_openai", "accepted a logit_bias outside its bounds");
+    }
+    for (int64_t t : sp.stop_token_ids) {
+      if (t < 0 || t >= l.vocab) fuzz::bug("fuzz_openai", "accepted a stop token outside the vocabulary");
+    }
+    // The parameters sample: a row of logits, a history of prompt and generated tokens.
+    {
+      std::vector<float> row(static_cast<size_t>(l.vocab));
+      for (size_t i = 0; i < row.size(); ++i) row[i] = static_cast<float>((i * 37) % 23) * 0.25f - 2.0f;
+      std::vector<int64_t> history = r.prompts[0];
+      torchspeed::inference::Sampler smp(sp, 0);
+      torchspeed::inference::TokenLogprobs lp;
+      for (int k = 0; k < 3; ++k) {
+        const int64_t t = smp.sample(row.data(), l.vocab, &lp, history, static_cast<int64_t>(r.prompts[0].size()));
+        if (t < 0 || t >= l.vocab) fuzz::bug("fuzz_openai", "the sampler chose a token outside the vocabulary");
+        history.push_back(t);
+      }
+    }
     int64_t tokens = 0;
     for (const auto& p : r.prompts) {
       if (p.empty() || static_cast<int64_t>(p.size()) + r.params.max_tokens > l.context_length)
@@ -38,7 +74,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (int64_t t : p) {
         if (t < 0 || t >= l.vocab) fuzz::bug("fuzz_openai", "accepted a token outside the vocabulary");
       }
-      tokens += (static_cast<int64_t>(p.size()) + r.params.max_tokens) * r.n;
+      tokens += (static_cast<int64_t>(p.size()) + r.params.max_tokens) * r.best_of;
     }
     if (l.max_request_tokens > 0 && tokens > l.max_request_tokens) fuzz::bug("fuzz_openai", "accepted a request past the token budget");
     // Answers: one made-up token with logprobs per choice.

@@ -520,6 +520,29 @@ def check_sampling_parameters():
     check(all(t == alone for t in texts[0::2]), f"seed 31 alone {alone!r}, in a batch {texts[0::2]}")
 
 
+def check_tokenize():
+    """vLLM's /tokenize and /detokenize, as vllm bench serve calls them."""
+    text = "Hello, tokens!"
+    j = expect_json(raw_request("POST", "/tokenize", {"model": CTX.model, "prompt": text, "add_special_tokens": False}))
+    check(j["tokens"] == list(text.encode()) and j["count"] == len(text) and j["max_model_len"] == CTX.max_len,
+          f"/tokenize of {text!r}: {j}")
+    check(j["token_strs"] is None, f"token_strs not asked for: {j}")
+    j = expect_json(raw_request("POST", "/tokenize", {"prompt": "ab", "return_token_strs": True}))
+    check(j["token_strs"] == ["a", "b"], f"token_strs {j}")
+    back = expect_json(raw_request("POST", "/detokenize", {"model": CTX.model, "tokens": list(text.encode())}))
+    check(back == {"prompt": text}, f"/detokenize: {back}")
+    # Chat messages go through the chat template: the same ids a chat completion's prompt has.
+    msgs = [{"role": "user", "content": "Hi"}]
+    j = expect_json(raw_request("POST", "/tokenize", {"model": CTX.model, "messages": msgs}))
+    r = CTX.client.chat.completions.create(model=CTX.model, messages=msgs, max_tokens=1)
+    check(j["count"] == r.usage.prompt_tokens, f"/tokenize of chat messages: {j['count']} tokens, chat usage {r.usage!r}")
+    expect_error(raw_request("POST", "/detokenize", {"tokens": [1, 256]}), 400, "tokens")
+    expect_error(raw_request("POST", "/tokenize", {"prompt": "x", "bogus": 1}), 400, "bogus")
+    expect_error(raw_request("POST", "/tokenize", {"prompt": 5}), 400, "prompt")
+    expect_error(raw_request("POST", "/tokenize", {"model": "nope", "prompt": "x"}), 404, "model")
+    expect_error(raw_request("POST", "/tokenize", {"prompt": "x"}, auth=False), 401)
+
+
 def check_stream_equals_nonstream():
     n = tokens_for(4, 40)
     for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
@@ -999,6 +1022,7 @@ CHECKS = [
     ("determinism", check_determinism),
     ("topk_topp_greedy", check_topk_topp_greedy),
     ("sampling_parameters", check_sampling_parameters),
+    ("tokenize", check_tokenize),
     ("stream_equals_nonstream", check_stream_equals_nonstream),
     ("stop", check_stop),
     ("n", check_n),

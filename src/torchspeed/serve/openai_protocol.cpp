@@ -362,6 +362,62 @@ std::string chat_prompt(const json& messages) {
   return out + "<|assistant|>\n";
 }
 
+namespace {
+// The messages as the prompt text: the model's own template, as transformers'
+// apply_chat_template(add_generation_prompt=...), or ours (which always ends in the assistant's
+// turn).
+std::string chat_text(const ProtocolLimits& l, const json& messages, bool add_generation_prompt) {
+  if (!(l.chat && l.chat->tmpl)) return chat_prompt(messages);
+  json ctx = l.chat->context;
+  ctx["messages"] = chat_messages(messages);
+  ctx["add_generation_prompt"] = add_generation_prompt;
+  try {
+    return l.chat->tmpl->render(ctx);
+  } catch (const std::exception& e) {
+    bad("messages", std::string("the model's chat template refused them: ") + e.what());
+  }
+}
+
+void check_optional_model(const json& b, const ProtocolLimits& l) {
+  if (present(b, "model")) check_model(b, l);
+}
+}  // namespace
+
+json tokenize(const json& b, const ProtocolLimits& l) {
+  std::vector<int64_t> ids;
+  if (present(b, "messages")) {
+    check_fields(b, {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                     "return_token_strs"});
+    check_optional_model(b, l);
+    if (!b.at("messages").is_array() || b.at("messages").empty()) bad("messages", "a non-empty list of {role, content}");
+    if (get_bool(b, "continue_final_message", false)) bad("continue_final_message", "not supported");
+    const std::string text = chat_text(l, b.at("messages"), get_bool(b, "add_generation_prompt", true));
+    // The template writes its own special tokens; add_special_tokens adds the BOS on top.
+    ids = get_bool(b, "add_special_tokens", false) ? encode_prompt(l, text) : encode(l, text);
+  } else {
+    check_fields(b, {"model", "prompt", "add_special_tokens", "return_token_strs"});
+    check_optional_model(b, l);
+    if (!present(b, "prompt") || !b.at("prompt").is_string()) bad("prompt", "required: a string (or give messages)");
+    const std::string& text = b.at("prompt").get_ref<const std::string&>();
+    ids = get_bool(b, "add_special_tokens", true) ? encode_prompt(l, text) : encode(l, text);
+  }
+  json strs = nullptr;
+  if (get_bool(b, "return_token_strs", false)) {
+    strs = json::array();
+    for (int64_t id : ids) strs.push_back(inference::token_text(bytes_of_token(l, id)));
+  }
+  return {{"count", ids.size()}, {"max_model_len", l.context_length}, {"tokens", ids}, {"token_strs", strs}};
+}
+
+json detokenize(const json& b, const ProtocolLimits& l) {
+  check_fields(b, {"model", "tokens"});
+  check_optional_model(b, l);
+  if (!present(b, "tokens") || !b.at("tokens").is_array()) bad("tokens", "required: a list of token ids");
+  std::string text;
+  for (int64_t id : token_list(b.at("tokens"), "tokens", l.vocab)) text += bytes_of_token(l, id);
+  return {{"prompt", inference::sanitize_utf8(text)}};
+}
+
 CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
   check_fields(b, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                    "seed", "stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user",
@@ -384,26 +440,14 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
   if (!present(b, "messages") || !b.at("messages").is_array() || b.at("messages").empty()) {
     bad("messages", "required: a non-empty list of {role, content}");
   }
+  const std::string text = chat_text(l, b.at("messages"), true);
   if (l.chat && l.chat->tmpl) {
-    // The model's own template, as transformers' apply_chat_template(add_generation_prompt=True).
-    json ctx = l.chat->context;
-    ctx["messages"] = chat_messages(b.at("messages"));
-    ctx["add_generation_prompt"] = true;
-    std::string text;
-    try {
-      text = l.chat->tmpl->render(ctx);
-    } catch (const std::exception& e) {
-      bad("messages", std::string("the model's chat template refused them: ") + e.what());
-    }
     r.params.eos_token_ids = l.chat->stop_ids;
-    check_text_fits(l, text, "messages", r.params.max_tokens);
-    add_prompt(r, encode(l, text), "messages", l);
   } else {
     r.params.stop.push_back(kChatStop);
-    const std::string text = chat_prompt(b.at("messages"));
-    check_text_fits(l, text, "messages", r.params.max_tokens);
-    add_prompt(r, encode(l, text), "messages", l);
   }
+  check_text_fits(l, text, "messages", r.params.max_tokens);
+  add_prompt(r, encode(l, text), "messages", l);
   check_choices(r, l);
   return r;
 }

@@ -83,6 +83,11 @@ nlohmann::json stream_chunk(const std::string& id, int64_t created, const Protoc
                             const CompletionRequest& req, int64_t index, const std::string& text,
                             const std::vector<inference::GeneratedToken>& tokens, const std::string& finish_reason,
                             bool first, int64_t* text_offset = nullptr);
+// vLLM's /tokenize (a prompt, or chat messages through the chat template) and /detokenize:
+// the answer's JSON; throws ApiError naming the field.
+nlohmann::json tokenize(const nlohmann::json& body, const ProtocolLimits& limits);
+nlohmann::json detokenize(const nlohmann::json& body, const ProtocolLimits& limits);
+
 nlohmann::json usage_chunk(const std::string& id, int64_t created, const ProtocolLimits& limits,
                            const CompletionRequest& req, int64_t prompt_tokens, int64_t completion_tokens);
 

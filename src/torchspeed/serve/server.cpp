@@ -402,8 +402,27 @@ struct Server::Impl {
       res.respond(json_response(200,
                 {{"object", "list"},
                  {"data", json::array({{{"id", o.model_name()}, {"object", "model"}, {"created", created},
-                                        {"owned_by", "torchspeed"}, {"max_model_len", e->context_length()}}})}}));
+                                        {"owned_by", "torchspeed"}, {"root", o.model_name()}, {"parent", nullptr},
+                                        {"max_model_len", e->context_length()}}})}}));
     }, Mode::kInline);
+    // vLLM's tokenizer routes (benchmark clients align their prompts with them).
+    for (const char* path : {"/tokenize", "/detokenize"}) {
+      const bool tok = std::string(path) == "/tokenize";
+      http->route("POST", path, [this, tok](http::Request& req, const http::Responder& res) {
+        if (!authorized(req, res)) return;
+        inference::Engine* e = engine.load();
+        if (!e) return send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
+        try {
+          const ProtocolLimits l = limits(*e);
+          const json body = parse_body(req.body);
+          res.respond(json_response(200, tok ? tokenize(body, l) : detokenize(body, l)));
+        } catch (const ApiError& err) {
+          error_reply(res, err);
+        } catch (const std::exception& err) {
+          error_reply(res, ApiError(500, std::string("internal error: ") + err.what(), "", "server_error"));
+        }
+      }, Mode::kWorker);
+    }
     http->route("POST", "/v1/completions", [this](http::Request& req, const http::Responder& res) { generate(req, res, false); }, Mode::kWorker);
     http->route("POST", "/v1/chat/completions", [this](http::Request& req, const http::Responder& res) { generate(req, res, true); }, Mode::kWorker);
   }
