@@ -11,7 +11,9 @@
 #include <string>
 
 #include "fuzz_util.h"
+#include "torchspeed/data/text.h"
 #include "torchspeed/inference/sampler.h"
+#include "torchspeed/inference/structured.h"
 #include "torchspeed/serve/openai_protocol.h"
 
 namespace sv = torchspeed::serve;
@@ -60,8 +62,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (size_t i = 0; i < row.size(); ++i) row[i] = static_cast<float>((i * 37) % 23) * 0.25f - 2.0f;
       std::vector<int64_t> history = r.prompts[0];
       torchspeed::inference::Sampler smp(sp, 0);
+      if (sp.grammar) {  // structured output: the mask over a byte vocabulary
+        static const auto trie = std::make_shared<const torchspeed::inference::TokenTrie>(torchspeed::data::ByteTokenizer(), l.vocab);
+        smp.constrain(std::make_unique<torchspeed::inference::GrammarMatcher>(sp.grammar, trie, std::vector<int64_t>{0}));
+      }
       torchspeed::inference::TokenLogprobs lp;
-      for (int k = 0; k < 3; ++k) {
+      for (int k = 0; k < 6; ++k) {
         const int64_t t = smp.sample(row.data(), l.vocab, &lp, history, static_cast<int64_t>(r.prompts[0].size()));
         if (t < 0 || t >= l.vocab) fuzz::bug("fuzz_openai", "the sampler chose a token outside the vocabulary");
         history.push_back(t);

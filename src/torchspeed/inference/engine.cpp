@@ -185,6 +185,14 @@ std::optional<std::vector<uint64_t>> Engine::submit_all(std::vector<Submission> 
              " tokens");
     for (int64_t t : prompt) TS_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
     auto s = std::make_unique<Sequence>(params, eos_);
+    if (params.grammar) {
+      // Note [Structured output]: the vocabulary's trie, built by the first request that needs it.
+      std::call_once(trie_once_, [&] { trie_ = std::make_shared<const TokenTrie>(*tokenizer_, vocab); });
+      std::vector<int64_t> ends = params.eos_token_ids;
+      if (eos_ >= 0) ends.push_back(eos_);
+      ends.insert(ends.end(), params.stop_token_ids.begin(), params.stop_token_ids.end());
+      s->sampler.constrain(std::make_unique<GrammarMatcher>(params.grammar, trie_, std::move(ends)));
+    }
     s->prompt_len = static_cast<int64_t>(prompt.size());
     s->tokens = std::move(sub.prompt);
     s->sink = std::move(sub.sink);
@@ -466,6 +474,9 @@ bool Engine::step() {
           s.stopped = s.text.append(g.id < tokenizer_->vocab_size() ? tokenizer_->token_bytes(g.id) : std::string(),
                                     /*stops=*/s.generated >= s.params.min_tokens);
         }
+        // Structured output whose value is whole and cannot go on: the text ends here (a
+        // model without an end token could not say so).
+        if (!s.stopped && s.sampler.matcher() && s.sampler.matcher()->finished()) s.stopped = true;
         s.new_tokens.push_back(std::move(g));
         return s.stopped || s.generated >= s.params.max_tokens ||
                static_cast<int64_t>(s.tokens.size()) >= model_->config().seq_len;

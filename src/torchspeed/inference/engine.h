@@ -178,6 +178,8 @@ class Engine {
   BlockPool pool_;
   data::TokenizerPtr tokenizer_;
   int64_t eos_;
+  std::once_flag trie_once_;
+  std::shared_ptr<const TokenTrie> trie_;  // for structured output, on first use
 
   mutable std::mutex mu_;
   std::condition_variable cv_, done_cv_;

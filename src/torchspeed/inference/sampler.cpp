@@ -112,57 +112,94 @@ const float* Sampler::shape(const float* logits, int64_t vocab, const std::vecto
 int64_t Sampler::sample(const float* raw, int64_t vocab, TokenLogprobs* lp, const std::vector<int64_t>& history,
                         int64_t prompt_len) {
   const float* logits = shapes_ ? shape(raw, vocab, history, prompt_len) : raw;
+  if (matcher_) {
+    // Note [Structured output]: what cannot continue the grammar is masked last. A grammar
+    // with nothing left to allow (only possible with ignore_eos or min_tokens holding the end
+    // back) ends the text.
+    if (logits == raw) buf_.assign(raw, raw + vocab);
+    matcher_->mask(buf_.data(), vocab);
+    logits = buf_.data();
+    if (std::none_of(buf_.begin(), buf_.end(), [](float x) { return x > -INFINITY; }) && eos_ >= 0) {
+      if (lp && p_.logprobs >= 0) *lp = logprobs_of(raw, vocab, eos_, p_.logprobs);
+      return eos_;
+    }
+  }
   int64_t token = 0;
   if (p_.temperature <= 0) {
     for (int64_t i = 1; i < vocab; ++i) {
       if (logits[i] > logits[token]) token = i;
     }
   } else {
-    // Candidates most likely first (ties by id), cut by top-k, then by top-p on the
-    // temperature-scaled distribution, then one draw over what is left.
-    std::vector<int64_t> idx(static_cast<size_t>(vocab));
-    std::iota(idx.begin(), idx.end(), 0);
-    std::sort(idx.begin(), idx.end(), MoreLikely{logits});
-    size_t keep = idx.size();
-    const double inv_t = 1.0 / p_.temperature, top = logits[idx[0]];
-    std::vector<double> w(keep);
-    // w: each candidate's probability relative to the most likely one's. Tokens with none (a
-    // -inf logit: banned) and, with min_p, those under min_p are cut.
-    size_t live = 0;
-    for (size_t i = 0; i < keep; ++i) {
-      w[i] = std::exp((static_cast<double>(logits[idx[i]]) - top) * inv_t);
-      if (w[i] > 0 && w[i] >= p_.min_p) live = i + 1;
+    // Candidates: tokens with a finite logit whose probability relative to the most likely
+    // one's (at this temperature) is at least min_p. Without top-k or top-p one draw over them
+    // in id order; with them, most likely first (ties by id) -- top-k, then the shortest prefix
+    // reaching top_p of what top-k left -- sorting only as far as the cut needs.
+    double top = -INFINITY;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (logits[i] > top) top = logits[i];  // NaN never compares greater
     }
-    keep = std::max<size_t>(live, 1);
-    if (p_.top_k > 0) keep = std::min(keep, static_cast<size_t>(p_.top_k));
-    double total = 0;
-    for (size_t i = 0; i < keep; ++i) total += w[i];
-    if (p_.top_p < 1.0) {
+    const double inv_t = 1.0 / p_.temperature;
+    std::vector<int64_t>& idx = idx_;
+    std::vector<double>& w = w_;
+    idx.clear();
+    w.assign(static_cast<size_t>(vocab), 0.0);
+    for (int64_t i = 0; i < vocab; ++i) {
+      const double x = std::exp((static_cast<double>(logits[i]) - top) * inv_t);
+      if (x > 0 && x >= p_.min_p) {  // false for -inf (banned) and NaN
+        w[static_cast<size_t>(i)] = x;
+        idx.push_back(i);
+      }
+    }
+    if (idx.empty()) {
+      token = 0;  // nothing finite: as greedy would choose
+      for (int64_t i = 1; i < vocab; ++i) {
+        if (logits[i] > logits[token]) token = i;
+      }
+    } else {
+      size_t keep = idx.size();
+      const MoreLikely order{logits};
+      if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < keep) {
+        keep = static_cast<size_t>(p_.top_k);
+        std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(keep), idx.end(), order);
+        idx.resize(keep);
+      }
+      double total = 0;
+      for (size_t i = 0; i < keep; ++i) total += w[static_cast<size_t>(idx[i])];
+      if (p_.top_p < 1.0) {
+        // Sort a prefix of 64, 512, ... candidates until it holds top_p of the mass.
+        for (size_t m = std::min<size_t>(64, keep);; m = std::min(keep, m * 8)) {
+          std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(m), idx.begin() + static_cast<std::ptrdiff_t>(keep), order);
+          double cum = 0;
+          size_t cut = 0;
+          for (size_t i = 0; i < m; ++i) {
+            cum += w[static_cast<size_t>(idx[i])] / total;
+            if (cum >= p_.top_p) {
+              cut = i + 1;
+              break;
+            }
+          }
+          if (cut > 0 || m == keep) {
+            keep = cut > 0 ? cut : keep;
+            break;
+          }
+        }
+        total = 0;
+        for (size_t i = 0; i < keep; ++i) total += w[static_cast<size_t>(idx[i])];
+      }
+      const double u = uniform() * total;
       double cum = 0;
-      size_t cut = keep;
+      token = idx[keep - 1];
       for (size_t i = 0; i < keep; ++i) {
-        cum += w[i] / total;
-        if (cum >= p_.top_p) {
-          cut = i + 1;
+        cum += w[static_cast<size_t>(idx[i])];
+        if (u < cum) {
+          token = idx[i];
           break;
         }
-      }
-      keep = cut;
-      total = 0;
-      for (size_t i = 0; i < keep; ++i) total += w[i];
-    }
-    const double u = uniform() * total;
-    double cum = 0;
-    token = idx[keep - 1];
-    for (size_t i = 0; i < keep; ++i) {
-      cum += w[i];
-      if (u < cum) {
-        token = idx[i];
-        break;
       }
     }
   }
   if (lp && p_.logprobs >= 0) *lp = logprobs_of(raw, vocab, token, p_.logprobs);
+  if (matcher_) matcher_->accept(token);
   return token;
 }
 

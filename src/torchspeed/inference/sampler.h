@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -14,6 +15,8 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
+
+#include "torchspeed/inference/structured.h"
 
 namespace torchspeed::inference {
 
@@ -42,6 +45,8 @@ struct SamplingParams {
   double repetition_penalty = 1.0;
   double min_p = 0;  // tokens less likely than min_p x the most likely one are dropped
   std::vector<std::pair<int64_t, float>> logit_bias;  // added to those tokens' logits
+  // Structured output: only tokens that keep the text inside the grammar (response_format).
+  GrammarPtr grammar;
 };
 
 struct TokenLogprobs {
@@ -58,6 +63,9 @@ class Sampler {
   // between calls). Returns the token; fills `lp` when params.logprobs >= 0.
   int64_t sample(const float* logits, int64_t vocab, TokenLogprobs* lp, const std::vector<int64_t>& history = {},
                  int64_t prompt_len = 0);
+  // Holds sampling to params.grammar: `m` masks each row and follows each chosen token.
+  void constrain(std::unique_ptr<GrammarMatcher> m) { matcher_ = std::move(m); }
+  const GrammarMatcher* matcher() const { return matcher_.get(); }
   // Whether the logits are changed before sampling (penalties, bias, min_tokens).
   bool shapes_logits() const { return shapes_; }
   // The row as sample() would see it after bias, min_tokens and penalties (Note [Logits
@@ -72,7 +80,10 @@ class Sampler {
   int64_t eos_;
   bool shapes_;
   std::mt19937_64 rng_;
+  std::unique_ptr<GrammarMatcher> matcher_;
   std::vector<float> buf_;                   // shaped logits
+  std::vector<int64_t> idx_;                 // sampling candidates
+  std::vector<double> w_;                    // their weights, by token id
   std::unordered_map<int64_t, int64_t> counts_;  // generated tokens seen so far
   std::unordered_set<int64_t> prompt_;       // the prompt's distinct tokens (repetition penalty)
   size_t counted_ = 0;                       // history entries already in counts_ / prompt_

@@ -147,6 +147,103 @@ std::vector<std::pair<int64_t, float>> logit_bias(const json& b, int64_t vocab) 
   return out;
 }
 
+// The schema at `where` (keys from the body's root) with its properties in the order the client
+// wrote them: nlohmann::json sorts an object's keys, ordered_json keeps them.
+nlohmann::ordered_json ordered_at(const json& b, const std::vector<std::string>& where, const std::string* raw) {
+  if (raw) {
+    nlohmann::ordered_json o = nlohmann::ordered_json::parse(*raw, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::ordered_json* at = &o;
+    for (const auto& k : where) {
+      if (!at->is_object() || !at->contains(k)) {
+        at = nullptr;
+        break;
+      }
+      at = &at->at(k);
+    }
+    if (at) return *at;
+  }
+  const json* at = &b;
+  for (const auto& k : where) at = &at->at(k);
+  return nlohmann::ordered_json::parse(at->dump());
+}
+
+inference::GrammarPtr schema_grammar(const nlohmann::ordered_json& schema, const std::string& field) {
+  try {
+    return inference::Grammar::json_schema(schema);
+  } catch (const inference::GrammarError& e) {
+    bad(e.path.empty() ? field : field + "." + e.path, e.what());
+  }
+}
+
+// Structured output: OpenAI's response_format (text, json_object, json_schema) and vLLM's
+// structured_outputs (json, json_object, choice): one grammar the text is held to.
+void structured(const json& b, CompletionRequest& r, const std::string* raw) {
+  auto& p = r.params;
+  if (present(b, "response_format")) {
+    const json& rf = b.at("response_format");
+    if (!rf.is_object() || !rf.contains("type") || !rf.at("type").is_string()) {
+      bad("response_format", "expected {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}");
+    }
+    const std::string type = rf.at("type").get<std::string>();
+    for (const auto& [k, v] : rf.items()) {
+      if (k != "type" && !(type == "json_schema" && k == "json_schema")) bad("response_format." + k, "not expected with type " + type);
+    }
+    if (type == "json_object") {
+      p.grammar = inference::Grammar::json_object();
+    } else if (type == "json_schema") {
+      if (!rf.contains("json_schema") || !rf.at("json_schema").is_object()) bad("response_format.json_schema", "required: {name, schema, strict}");
+      const json& js = rf.at("json_schema");
+      for (const auto& [k, v] : js.items()) {
+        if (k != "name" && k != "description" && k != "schema" && k != "strict") bad("response_format.json_schema." + k, "unrecognized");
+      }
+      if (js.contains("name") && !js.at("name").is_string()) bad("response_format.json_schema.name", "expected a string");
+      if (js.contains("strict") && !js.at("strict").is_boolean() && !js.at("strict").is_null()) {
+        bad("response_format.json_schema.strict", "expected true or false");
+      }
+      if (!js.contains("schema")) bad("response_format.json_schema.schema", "required");
+      p.grammar = schema_grammar(ordered_at(b, {"response_format", "json_schema", "schema"}, raw),
+                                 "response_format.json_schema.schema");
+    } else if (type != "text") {
+      bad("response_format.type", "\"" + type + "\" is not one of text, json_object, json_schema");
+    }
+  }
+  if (present(b, "structured_outputs")) {
+    if (p.grammar) bad("structured_outputs", "give response_format or structured_outputs, not both");
+    const json& so = b.at("structured_outputs");
+    if (!so.is_object()) bad("structured_outputs", "expected an object");
+    int given = 0;
+    for (const auto& [k, v] : so.items()) {
+      const std::string f = "structured_outputs." + k;
+      if (v.is_null()) continue;
+      if (k == "json") {
+        ++given;
+        if (v.is_string()) {
+          const auto schema = nlohmann::ordered_json::parse(v.get<std::string>(), nullptr, false);
+          if (schema.is_discarded()) bad(f, "a string here must hold a JSON schema");
+          p.grammar = schema_grammar(schema, f);
+        } else {
+          p.grammar = schema_grammar(ordered_at(b, {"structured_outputs", "json"}, raw), f);
+        }
+      } else if (k == "json_object") {
+        if (!v.is_boolean()) bad(f, "expected true or false");
+        if (v.get<bool>()) ++given, p.grammar = inference::Grammar::json_object();
+      } else if (k == "choice") {
+        ++given;
+        if (!v.is_array() || v.empty()) bad(f, "expected a non-empty list of strings");
+        std::vector<std::string> options;
+        for (const json& o : v) {
+          if (!o.is_string() || o.get<std::string>().empty()) bad(f, "expected non-empty strings");
+          options.push_back(o.get<std::string>());
+        }
+        p.grammar = inference::Grammar::choice(options);
+      } else {
+        bad(f, "not supported (json, json_object and choice are)");
+      }
+    }
+    if (given != 1) bad("structured_outputs", "give exactly one of json, json_object, choice");
+  }
+}
+
 void common_sampling(const json& b, const ProtocolLimits& l, CompletionRequest& r, const char* max_key) {
   auto& p = r.params;
   const int64_t cap = l.max_tokens > 0 ? std::min(l.max_tokens, l.context_length) : l.context_length;
@@ -276,15 +373,16 @@ void check_choices(const CompletionRequest& r, const ProtocolLimits& l) {
 }
 }  // namespace
 
-CompletionRequest parse_completion(const json& b, const ProtocolLimits& l) {
+CompletionRequest parse_completion(const json& b, const ProtocolLimits& l, const std::string* raw) {
   check_fields(b, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "n", "best_of", "logprobs", "echo", "stream", "stream_options", "user",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "suffix",
-                   "ignore_eos"});
+                   "ignore_eos", "response_format", "structured_outputs"});
   check_model(b, l);
   if (present(b, "suffix")) bad("suffix", "not supported");
   CompletionRequest r;
   common_sampling(b, l, r, "max_tokens");
+  structured(b, r, raw);
   // OpenAI's best_of: that many completions per prompt, the n with the highest log probability
   // per token returned (all of them counted in usage); not with stream.
   r.best_of = get_int(b, "best_of", r.n, r.n, l.max_n);
@@ -418,17 +516,14 @@ json detokenize(const json& b, const ProtocolLimits& l) {
   return {{"prompt", inference::sanitize_utf8(text)}};
 }
 
-CompletionRequest parse_chat(const json& b, const ProtocolLimits& l) {
+CompletionRequest parse_chat(const json& b, const ProtocolLimits& l, const std::string* raw) {
   check_fields(b, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                    "seed", "stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-                   "response_format", "ignore_eos"});
+                   "response_format", "structured_outputs", "ignore_eos"});
   check_model(b, l);
-  if (present(b, "response_format")) {
-    const json& rf = b.at("response_format");
-    if (!rf.is_object() || !rf.contains("type") || rf.at("type") != "text") bad("response_format", "only {\"type\": \"text\"} is supported");
-  }
   CompletionRequest r;
+  structured(b, r, raw);
   r.chat = true;
   if (present(b, "max_tokens") && present(b, "max_completion_tokens")) bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both");
   common_sampling(b, l, r, present(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens");

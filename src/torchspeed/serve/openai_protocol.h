@@ -59,9 +59,10 @@ struct CompletionRequest {
   int64_t logprobs = -1;  // completions: top-N; chat: top_logprobs when logprobs is true
 };
 
-// Throws ApiError (400 naming the field, 404 for an unknown model).
-CompletionRequest parse_completion(const nlohmann::json& body, const ProtocolLimits& limits);
-CompletionRequest parse_chat(const nlohmann::json& body, const ProtocolLimits& limits);
+// Throws ApiError (400 naming the field, 404 for an unknown model). raw: the body's text, from
+// which a JSON schema is read again with its properties in the client's order (null: sorted).
+CompletionRequest parse_completion(const nlohmann::json& body, const ProtocolLimits& limits, const std::string* raw = nullptr);
+CompletionRequest parse_chat(const nlohmann::json& body, const ProtocolLimits& limits, const std::string* raw = nullptr);
 // 400 with the offset of a JSON error, or past kMaxJsonDepth levels of nesting.
 inline constexpr int kMaxJsonDepth = 64;
 nlohmann::json parse_body(const std::string& body);

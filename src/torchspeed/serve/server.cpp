@@ -273,9 +273,10 @@ struct Server::Impl {
     try {
       const ProtocolLimits l = limits(*e);
       const json body = parse_body(req.body);
+      auto r = std::make_shared<const CompletionRequest>(chat_route ? parse_chat(body, l, &req.body)
+                                                                    : parse_completion(body, l, &req.body));
       req.body.clear();
       req.body.shrink_to_fit();
-      auto r = std::make_shared<const CompletionRequest>(chat_route ? parse_chat(body, l) : parse_completion(body, l));
       auto job = std::make_shared<Job>();
       job->stream = r->stream;
       job->total = static_cast<int64_t>(r->prompts.size()) * r->best_of;
