@@ -6,6 +6,7 @@
 // shape and sample a row of logits, and its answer must be buildable: the whole response and a
 // stream chunk with logprobs for every choice. A refusal is an ApiError with a 4xx status;
 // anything else (a 5xx, another exception, a sanitizer report) is a bug.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -29,6 +30,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   l.max_tokens = (sel & 4) ? 32 : 0;
   l.max_request_tokens = (sel & 8) ? 512 : 0;
   const int route = sel & 3;
+  l.tool_parser = (sel & 0x40) ? ((sel & 0x20) ? "llama3_json" : "hermes") : "";
   const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
   try {
     const nlohmann::json j = sv::parse_body(body);
@@ -42,7 +44,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       return 0;
     }
-    const sv::CompletionRequest r = route == 1 ? sv::parse_chat(j, l) : sv::parse_completion(j, l);
+    const sv::CompletionRequest r = route == 1 ? sv::parse_chat(j, l, &body) : sv::parse_completion(j, l, &body);
+    if (r.tools.active()) {
+      // The body's bytes as if the model had written them: the calls parser must not fail.
+      const sv::ToolOutput out = sv::parse_tool_output(r.tools, body);
+      for (const auto& c : out.calls) {
+        if (std::find(r.tools.names.begin(), r.tools.names.end(), c.name) == r.tools.names.end()) fuzz::bug("fuzz_openai", "a call to an unknown tool");
+        if (!nlohmann::json::accept(c.arguments)) fuzz::bug("fuzz_openai", "a call whose arguments are not JSON");
+      }
+      if (sv::tool_content_prefix(r.tools, body) > body.size()) fuzz::bug("fuzz_openai", "content prefix past the text");
+      (void)sv::tool_calls_json(out.calls, "call_", true).dump();
+    }
     const int64_t total = static_cast<int64_t>(r.prompts.size()) * r.n;
     const int64_t generated = static_cast<int64_t>(r.prompts.size()) * r.best_of;
     if (r.prompts.empty() || r.best_of < r.n || generated > l.max_n) {

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Structured output on a real model: SmolLM2-135M-Instruct served by `torchspeed serve`, 100
-sampled chat completions held to a JSON schema, each validated with jsonschema (all must end by
-themselves and validate), through the official openai client.
+"""Structured output and tool calls on a real model: SmolLM2-135M-Instruct served by
+`torchspeed serve`, 100 sampled chat completions held to a JSON schema, each validated with
+jsonschema (all must end by themselves and validate); then a tool call round trip (required,
+named, streamed; the call's arguments validated against the tool's parameters; the result sent
+back as a `tool` message and answered), through the official openai client.
 
     structured_smollm2.py --torchspeed build/bin/torchspeed --model SmolLM2-135M-Instruct.Q4_1.gguf
 """
@@ -36,6 +38,65 @@ PERSON = {
 }
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+
+
+def tool_round_trip(client, model, failures):
+    msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    try:
+        # Forced calls: "required" (any of the tools, parallel off: one call) and a named function.
+        r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=100, temperature=0)
+        c = r.choices[0]
+        if c.finish_reason != "tool_calls" or not c.message.tool_calls or len(c.message.tool_calls) != 1:
+            raise ValueError(f"required: {c.finish_reason} {c.message}")
+        call = c.message.tool_calls[0]
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), params)
+        print(f"tool_choice required: {call.function.name}({call.function.arguments})", flush=True)
+        r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=100, temperature=0.8, seed=1,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        c = r.choices[0]
+        if c.finish_reason != "stop" or c.message.content is not None or c.message.tool_calls[0].function.name != "get_weather":
+            raise ValueError(f"named: {c.finish_reason} {c.message}")
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), WEATHER)
+        # Streamed, as OpenAI streams calls: deltas with an index, accumulated by the client.
+        got = {}
+        reasons = []
+        for chunk in client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required",
+                                                    max_tokens=100, temperature=0, stream=True):
+            for d in chunk.choices[0].delta.tool_calls or []:
+                e = got.setdefault(d.index, {"name": "", "arguments": ""})
+                e["name"] += d.function.name or ""
+                e["arguments"] += d.function.arguments or ""
+            reasons.append(chunk.choices[0].finish_reason)
+        if reasons[-1] != "tool_calls" or not got:
+            raise ValueError(f"streamed: {reasons} {got}")
+        for e in got.values():
+            jsonschema.validate(json.loads(e["arguments"]), params if e["name"] == call.function.name else
+                                {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[e["name"]])
+        # The result goes back as a tool message; the model answers from it.
+        history = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id,
+                           "content": json.dumps({"temperature": 18, "unit": "celsius", "sky": "sunny"})}]
+        r = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=60, temperature=0)
+        plain = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="none",
+                                               max_tokens=1, temperature=0)
+        c = r.choices[0]
+        if not c.message.content or c.message.tool_calls or r.usage.prompt_tokens <= plain.usage.prompt_tokens + 20:
+            raise ValueError(f"answer after the tool result: {c.message} (prompt {r.usage.prompt_tokens} tokens)")
+        print(f"after the tool result: {c.message.content!r}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        failures.append(f"tools: {type(e).__name__}: {str(e)[:400]}")
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -54,7 +115,7 @@ def main():
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="torchspeed-structured-", suffix=".log", delete=False)
     cmd = [args.torchspeed, "serve", "--checkpoint", args.model, "--weights", "auto", "--host", "127.0.0.1",
-           "--port", str(port), "--max-num-seqs", "16", "--max-queue", "128"]
+           "--port", str(port), "--max-num-seqs", "16", "--max-queue", "128", "--tool-call-parser", "hermes"]
     print("server: " + " ".join(cmd) + f"\nserver log: {log.name}", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     failures = []
@@ -105,6 +166,7 @@ def main():
             print(f"json_object (greedy): {c.message.content}", flush=True)
         except Exception as e:  # noqa: BLE001
             failures.append(f"json_object: {type(e).__name__}: {e} in {c.message.content[:300]!r}")
+        tool_round_trip(client, model, failures)
     finally:
         proc.terminate()
         try:

@@ -121,3 +121,102 @@ TEST(OpenAIProtocol, StreamedTextOffsetsContinueAcrossChunks) {
 }
 
 }  // namespace
+
+namespace {
+json weather_tools() {
+  return json::array({{{"type", "function"},
+                       {"function", {{"name", "get_weather"},
+                                     {"parameters", {{"type", "object"},
+                                                     {"properties", {{"city", {{"type", "string"}}}}},
+                                                     {"required", {"city"}}}}}}},
+                      {{"type", "function"}, {"function", {{"name", "add"}}}}});
+}
+json chat_with(json extra) {
+  json b = {{"model", "m"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}, {"tools", weather_tools()}};
+  for (auto& [k, v] : extra.items()) b[k] = v;
+  return b;
+}
+}  // namespace
+
+// Note [Tool calls]: tool_choice picks how calls come back; each mode's text read as vLLM's
+// parsers read it.
+TEST(ToolCalls, ChoicesParsersAndErrors) {
+  auto wide = [] {
+    ProtocolLimits w = limits();
+    w.context_length = 4096;  // the tools' description is longer than the default 128 bytes
+    return w;
+  };
+  ProtocolLimits l = wide();
+  // auto needs a parser; required and named do not, and hold the text to a grammar.
+  ApiError e = error_of([&] { parse_chat(chat_with({}), l); });
+  EXPECT_EQ(e.param, "tool_choice");
+  l.tool_parser = "hermes";
+  CompletionRequest r = parse_chat(chat_with({}), l);
+  EXPECT_EQ(r.tools.choice, ToolChoice::kAuto);
+  EXPECT_FALSE(r.params.grammar);
+  EXPECT_NE(r.prompt_texts[0].find("<tools>"), std::string::npos) << "tools described to a template that does not read them";
+  r = parse_chat(chat_with({{"tool_choice", "required"}}), wide());
+  EXPECT_TRUE(r.params.grammar);
+  r = parse_chat(chat_with({{"tool_choice", {{"type", "function"}, {"function", {{"name", "add"}}}}}}), wide());
+  EXPECT_EQ(r.tools.choice, ToolChoice::kNamed);
+  r = parse_chat(chat_with({{"tool_choice", "none"}}), wide());
+  EXPECT_FALSE(r.tools.active());
+  EXPECT_EQ(r.prompt_texts[0].find("<tools>"), std::string::npos);
+
+  EXPECT_EQ(error_of([&] { parse_chat(chat_with({{"tool_choice", {{"type", "function"}, {"function", {{"name", "nope"}}}}}}), l); }).param,
+            "tool_choice.function.name");
+  json bad_tool = chat_with({});
+  bad_tool["tools"][0]["function"]["name"] = "has space";
+  EXPECT_EQ(error_of([&] { parse_chat(bad_tool, l); }).param, "tools[0].function.name");
+  json pattern = chat_with({{"tool_choice", "required"}});
+  pattern["tools"][0]["function"]["parameters"]["properties"]["city"]["pattern"] = "a+";
+  EXPECT_EQ(error_of([&] { parse_chat(pattern, l); }).param, "tools[0].function.parameters.properties.city.pattern");
+  EXPECT_EQ(error_of([&] { parse_chat(chat_with({{"tool_choice", "required"}, {"response_format", {{"type", "json_object"}}}}), l); }).param,
+            "response_format");
+
+  // The history: assistant tool calls (arguments as JSON text) and tool results.
+  json hist = chat_with({{"tool_choice", "none"}});
+  hist["messages"].push_back({{"role", "assistant"}, {"content", nullptr},
+                              {"tool_calls", {{{"id", "c1"}, {"type", "function"}, {"function", {{"name", "add"}, {"arguments", "{\"a\":1}"}}}}}}});
+  hist["messages"].push_back({{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "2"}});
+  r = parse_chat(hist, l);
+  EXPECT_NE(r.prompt_texts[0].find("<tool_call>\n{\"arguments\":{\"a\":1},\"name\":\"add\"}\n</tool_call>"), std::string::npos)
+      << r.prompt_texts[0];
+  EXPECT_NE(r.prompt_texts[0].find("<|tool|>\n2"), std::string::npos);
+  hist["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json";
+  EXPECT_EQ(error_of([&] { parse_chat(hist, l); }).param, "messages[1].tool_calls[0].function.arguments");
+
+  // Reading the calls back.
+  ToolRequest t;
+  t.names = {"get_weather", "add"};
+  t.choice = ToolChoice::kAuto;
+  t.parser = "hermes";
+  ToolOutput o = parse_tool_output(t, "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
+                                      "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}</tool_call>");
+  ASSERT_EQ(o.calls.size(), 2u);
+  EXPECT_EQ(o.content, "Let me look.");
+  EXPECT_EQ(o.calls[0].name, "get_weather");
+  EXPECT_EQ(json::parse(o.calls[0].arguments), json({{"city", "Paris"}}));
+  EXPECT_EQ(json::parse(o.calls[1].arguments), json({{"a", 1}, {"b", 2}}));
+  EXPECT_TRUE(parse_tool_output(t, "<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>").calls.empty());
+  EXPECT_TRUE(parse_tool_output(t, "<tool_call>{broken</tool_call>").calls.empty());
+  EXPECT_EQ(parse_tool_output(t, "no calls here").content, "no calls here");
+  // Streamed content stops where <tool_call> begins, and holds back what could begin it.
+  EXPECT_EQ(tool_content_prefix(t, "Sure <tool"), 5u);
+  EXPECT_EQ(tool_content_prefix(t, "Sure <tool_call>{"), 5u);
+  EXPECT_EQ(tool_content_prefix(t, "a < b"), 5u);
+  t.parser = "llama3_json";
+  o = parse_tool_output(t, "<|python_tag|>{\"name\": \"add\", \"parameters\": {\"a\": 1, \"b\": 2}}; {\"name\": \"get_weather\", \"parameters\": {\"city\": \"a;b\"}}");
+  ASSERT_EQ(o.calls.size(), 2u);
+  EXPECT_EQ(json::parse(o.calls[1].arguments), json({{"city", "a;b"}}));
+  EXPECT_EQ(tool_content_prefix(t, "{\"name\""), 0u);
+  t.choice = ToolChoice::kRequired;
+  o = parse_tool_output(t, "[{\"name\":\"add\",\"parameters\":{\"a\":3}}]");
+  ASSERT_EQ(o.calls.size(), 1u);
+  EXPECT_EQ(o.calls[0].arguments, "{\"a\":3}");
+  t.choice = ToolChoice::kNamed;
+  t.named = "get_weather";
+  o = parse_tool_output(t, "{\"city\":\"Oslo\"}");
+  ASSERT_EQ(o.calls.size(), 1u);
+  EXPECT_EQ(o.calls[0].name, "get_weather");
+}

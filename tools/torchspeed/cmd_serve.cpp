@@ -36,6 +36,8 @@ struct ServeOpts {
   int64_t max_request_tokens = 0;
   double kv_mb = 0;
   int64_t block_size = 16, max_num_seqs = 16, max_batched_tokens = 256, max_queue = 64, max_tokens = 0, max_n = 16;
+  std::string tool_parser;
+  bool auto_tool_choice = false;
   int64_t max_body = 1 << 20;
 };
 
@@ -121,6 +123,11 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--max-queue", o->max_queue, "Waiting sequences before requests get 429 (at least 1)")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--max-tokens", o->max_tokens, "Largest max_tokens a request may ask (0: the context)")->check(CLI::Range(0, 1 << 30));
   cmd->add_option("--max-n", o->max_n, "Most choices (prompts x n) in one request")->check(CLI::Range(1, 1024));
+  cmd->add_option("--tool-call-parser", o->tool_parser,
+                  "How tool calls are read from the model's text for tool_choice \"auto\": hermes (<tool_call> blocks: Qwen, "
+                  "Hermes) or llama3_json (Llama 3.1's JSON); without it \"auto\" is refused")
+      ->check(CLI::IsMember({"hermes", "llama3_json"}));
+  cmd->add_flag("--enable-auto-tool-choice", o->auto_tool_choice, "vLLM's flag, accepted: needs --tool-call-parser");
   cmd->add_option("--max-body-bytes", o->max_body, "Largest request body (413 beyond)")->check(CLI::Range(1024, 1 << 30));
   cmd->add_option("--http-threads", o->http_threads, "Threads that parse and tokenize requests (connections and generations hold none)")->check(CLI::Range(1, 256));
   cmd->add_option("--max-connections", o->max_connections, "Client connections open at once (503 past it)")->check(CLI::Range(1, 1 << 20));
@@ -132,6 +139,8 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   return [o, &inv]() -> int {
     TS_CHECK(o->ranks == o->tp || (launcher::under_launcher() && o->ranks == 1),
              "serve: -n ", o->ranks, " and --tp ", o->tp, " differ; every rank serves one tensor-parallel slice, give both the same value");
+    TS_CHECK(!o->auto_tool_choice || !o->tool_parser.empty(),
+             "serve: --enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): the format the model writes its calls in");
     if (o->api_key.empty()) {
       if (const char* k = std::getenv("TORCHSPEED_API_KEY")) o->api_key = k;
     }
@@ -166,6 +175,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                     "--drain-timeout", std::to_string(o->drain_timeout),
                     "--tp", std::to_string(o->tp), "--stop-file", stop};
       if (!o->tokenizer.empty()) lo.program.insert(lo.program.end(), {"--tokenizer", o->tokenizer});
+      if (!o->tool_parser.empty()) lo.program.insert(lo.program.end(), {"--tool-call-parser", o->tool_parser});
       if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
       if (!o->prefix_caching) lo.program.push_back("--no-enable-prefix-caching");
       if (!o->speculative_config.empty()) lo.program.insert(lo.program.end(), {"--speculative-config", o->speculative_config});
@@ -195,6 +205,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                              .max_body_bytes(o->max_body)
                              .max_tokens(o->max_tokens)
                              .max_n(o->max_n)
+                             .tool_parser(o->tool_parser)
                              .http_threads(o->http_threads)
                              .max_connections(o->max_connections)
                              .max_request_tokens(o->max_request_tokens));

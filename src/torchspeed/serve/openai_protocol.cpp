@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <set>
 
+#include "torchspeed/serve/tool_calls.h"
+
 #include "torchspeed/data/text.h"
 #include "torchspeed/inference/text.h"
 
@@ -147,26 +149,33 @@ std::vector<std::pair<int64_t, float>> logit_bias(const json& b, int64_t vocab) 
   return out;
 }
 
-// The schema at `where` (keys from the body's root) with its properties in the order the client
-// wrote them: nlohmann::json sorts an object's keys, ordered_json keeps them.
+}  // namespace
+
 nlohmann::ordered_json ordered_at(const json& b, const std::vector<std::string>& where, const std::string* raw) {
+  auto step = [](auto* at, const std::string& k) -> decltype(at) {
+    if (at->is_object()) return at->contains(k) ? &at->at(k) : nullptr;
+    if (at->is_array() && !k.empty() && k.find_first_not_of("0123456789") == std::string::npos && std::stoull(k) < at->size()) {
+      return &at->at(std::stoull(k));
+    }
+    return nullptr;
+  };
   if (raw) {
-    nlohmann::ordered_json o = nlohmann::ordered_json::parse(*raw, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::ordered_json o = nlohmann::ordered_json::parse(*raw, nullptr, /*allow_exceptions=*/false);
     const nlohmann::ordered_json* at = &o;
     for (const auto& k : where) {
-      if (!at->is_object() || !at->contains(k)) {
-        at = nullptr;
-        break;
-      }
-      at = &at->at(k);
+      if (!at || !(at = step(at, k))) break;
     }
     if (at) return *at;
   }
   const json* at = &b;
-  for (const auto& k : where) at = &at->at(k);
+  for (const auto& k : where) {
+    at = step(at, k);
+    if (!at) throw ApiError(400, "the request body changed shape", k);
+  }
   return nlohmann::ordered_json::parse(at->dump());
 }
 
+namespace {
 inference::GrammarPtr schema_grammar(const nlohmann::ordered_json& schema, const std::string& field) {
   try {
     return inference::Grammar::json_schema(schema);
@@ -423,9 +432,10 @@ json chat_messages(const json& messages) {
     if (!m.is_object()) bad(f, "expected an object with role and content");
     if (!m.contains("role") || !m.at("role").is_string()) bad(f + ".role", "required string");
     const std::string role = m.at("role").get<std::string>();
-    if (role != "system" && role != "user" && role != "assistant" && role != "developer") {
-      bad(f + ".role", "\"" + role + "\" is not one of system, developer, user, assistant");
+    if (role != "system" && role != "user" && role != "assistant" && role != "developer" && role != "tool") {
+      bad(f + ".role", "\"" + role + "\" is not one of system, developer, user, assistant, tool");
     }
+    const bool calls = role == "assistant" && m.contains("tool_calls") && !m.at("tool_calls").is_null();
     std::string content;
     static const json kNull = nullptr;
     const json& c = m.contains("content") ? m.at("content") : kNull;
@@ -440,13 +450,45 @@ json chat_messages(const json& messages) {
         }
         content += part.at("text").get<std::string>();
       }
-    } else {
+    } else if (!(c.is_null() && calls)) {
       bad(f + ".content", "expected a string or a list of text parts");
     }
+    json msg = {{"role", role}, {"content", content}};
     for (const auto& [k, v] : m.items()) {
-      if (k != "role" && k != "content") bad(f + "." + k, "not supported");
+      if (k == "role" || k == "content" || (k == "name" && v.is_string())) continue;
+      if (k == "tool_call_id" && role == "tool") {
+        if (!v.is_string()) bad(f + ".tool_call_id", "expected a string");
+        msg["tool_call_id"] = v;
+      } else if (k == "tool_calls" && role == "assistant") {
+        if (v.is_null()) continue;
+        if (!v.is_array()) bad(f + ".tool_calls", "expected a list");
+        json list = json::array();
+        for (size_t k2 = 0; k2 < v.size(); ++k2) {
+          const std::string g = f + ".tool_calls[" + std::to_string(k2) + "]";
+          const json& tc = v[k2];
+          if (!tc.is_object() || !tc.contains("function") || !tc.at("function").is_object() ||
+              !tc.at("function").contains("name") || !tc.at("function").at("name").is_string()) {
+            bad(g, "expected {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}");
+          }
+          const json& fn = tc.at("function");
+          // Templates read the arguments as an object (transformers' convention); OpenAI sends JSON text.
+          json args = json::object();
+          if (fn.contains("arguments") && fn.at("arguments").is_string()) {
+            args = json::parse(fn.at("arguments").get<std::string>(), nullptr, false);
+            if (args.is_discarded()) bad(g + ".function.arguments", "is not JSON");
+          } else if (fn.contains("arguments") && fn.at("arguments").is_object()) {
+            args = fn.at("arguments");
+          }
+          json one = {{"type", "function"}, {"function", {{"name", fn.at("name")}, {"arguments", args}}}};
+          if (tc.contains("id") && tc.at("id").is_string()) one["id"] = tc.at("id");
+          list.push_back(std::move(one));
+        }
+        msg["tool_calls"] = std::move(list);
+      } else {
+        bad(f + "." + k, "not supported");
+      }
     }
-    out.push_back({{"role", role}, {"content", content}});
+    out.push_back(std::move(msg));
   }
   return out;
 }
@@ -455,22 +497,70 @@ std::string chat_prompt(const json& messages) {
   std::string out;
   for (const json& m : chat_messages(messages)) {
     const std::string role = m.at("role").get<std::string>();
-    out += "<|" + (role == "developer" ? std::string("system") : role) + "|>\n" + m.at("content").get<std::string>() + "\n";
+    out += "<|" + (role == "developer" ? std::string("system") : role) + "|>\n" + m.at("content").get<std::string>();
+    if (m.contains("tool_calls")) {
+      for (const json& c : m.at("tool_calls")) {
+        out += "<tool_call>\n" + json{{"name", c.at("function").at("name")}, {"arguments", c.at("function").at("arguments")}}.dump() +
+               "\n</tool_call>";
+      }
+    }
+    out += "\n";
   }
   return out + "<|assistant|>\n";
 }
 
 namespace {
+// The tool instructions of Qwen 2.5's template (the Hermes format), for templates that do not
+// take `tools` themselves (Note [Tool calls]).
+std::string hermes_tool_prompt(const nlohmann::ordered_json& tools) {
+  std::string s = "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+                  "function signatures within <tools></tools> XML tags:\n<tools>";
+  for (const auto& t : tools) s += "\n" + t.dump();
+  return s + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+             "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
+}
+// Llama 3.1's, for the llama3_json format.
+std::string llama_tool_prompt(const nlohmann::ordered_json& tools) {
+  std::string s = "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+                  "that best answers the given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": "
+                  "dictionary of argument name and its value}. Do not use variables.\n\n";
+  for (const auto& t : tools) s += t.dump(4) + "\n\n";
+  return s;
+}
+
 // The messages as the prompt text: the model's own template, as transformers'
-// apply_chat_template(add_generation_prompt=...), or ours (which always ends in the assistant's
-// turn).
-std::string chat_text(const ProtocolLimits& l, const json& messages, bool add_generation_prompt) {
+// apply_chat_template(messages, tools=..., add_generation_prompt=...), or ours (which always ends
+// in the assistant's turn). With tools and a template that does not read them, their description
+// goes first as a system message (merged into the first one when there is one).
+std::string chat_text(const ProtocolLimits& l, const json& raw_messages, bool add_generation_prompt,
+                      const ToolRequest* tools = nullptr, const nlohmann::ordered_json* tools_ordered = nullptr) {
+  json messages = raw_messages;
+  const bool with_tools = tools && tools->active() && tools_ordered;
+  const bool template_reads_tools = l.chat && l.chat->tmpl && l.chat->text.find("tools") != std::string::npos;
+  if (with_tools && !template_reads_tools) {
+    const std::string desc = tools->parser == "llama3_json" ? llama_tool_prompt(*tools_ordered) : hermes_tool_prompt(*tools_ordered);
+    if (!messages.empty() && messages[0].is_object() && (messages[0].value("role", "") == "system") && messages[0].contains("content") &&
+        messages[0].at("content").is_string()) {
+      messages[0]["content"] = messages[0].at("content").get<std::string>() + "\n\n" + desc;
+    } else {
+      messages.insert(messages.begin(), json{{"role", "system"}, {"content", desc}});
+    }
+  }
   if (!(l.chat && l.chat->tmpl)) return chat_prompt(messages);
-  json ctx = l.chat->context;
-  ctx["messages"] = chat_messages(messages);
-  ctx["add_generation_prompt"] = add_generation_prompt;
   try {
+    if (with_tools && template_reads_tools) {
+      nlohmann::ordered_json ctx = nlohmann::ordered_json::parse(l.chat->context.dump());
+      ctx["messages"] = nlohmann::ordered_json::parse(chat_messages(messages).dump());
+      ctx["tools"] = *tools_ordered;
+      ctx["add_generation_prompt"] = add_generation_prompt;
+      return l.chat->tmpl->render(ctx);
+    }
+    json ctx = l.chat->context;
+    ctx["messages"] = chat_messages(messages);
+    ctx["add_generation_prompt"] = add_generation_prompt;
     return l.chat->tmpl->render(ctx);
+  } catch (const ApiError&) {
+    throw;
   } catch (const std::exception& e) {
     bad("messages", std::string("the model's chat template refused them: ") + e.what());
   }
@@ -520,10 +610,16 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l, const std::
   check_fields(b, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                    "seed", "stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-                   "response_format", "structured_outputs", "ignore_eos"});
+                   "response_format", "structured_outputs", "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"});
   check_model(b, l);
   CompletionRequest r;
   structured(b, r, raw);
+  inference::GrammarPtr tool_grammar;
+  r.tools = parse_tools(b, l.tool_parser, raw, &tool_grammar);
+  if (tool_grammar) {
+    if (r.params.grammar) bad("response_format", "cannot be combined with tool_choice \"required\" or a named function");
+    r.params.grammar = tool_grammar;
+  }
   r.chat = true;
   if (present(b, "max_tokens") && present(b, "max_completion_tokens")) bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both");
   common_sampling(b, l, r, present(b, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens");
@@ -535,7 +631,9 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l, const std::
   if (!present(b, "messages") || !b.at("messages").is_array() || b.at("messages").empty()) {
     bad("messages", "required: a non-empty list of {role, content}");
   }
-  const std::string text = chat_text(l, b.at("messages"), true);
+  nlohmann::ordered_json tools_ordered;
+  if (r.tools.active()) tools_ordered = ordered_at(b, {"tools"}, raw);
+  const std::string text = chat_text(l, b.at("messages"), true, &r.tools, &tools_ordered);
   if (l.chat && l.chat->tmpl) {
     r.params.eos_token_ids = l.chat->stop_ids;
   } else {
@@ -613,10 +711,21 @@ json completion_response(const std::string& id, int64_t created, const ProtocolL
     const size_t pi = i / static_cast<size_t>(req.n);
     completion_tokens += c.completion_tokens;
     if (req.chat) {
+      json message = {{"role", "assistant"}, {"content", c.text}};
+      std::string reason = c.finish_reason;
+      if (req.tools.active()) {
+        // Note [Tool calls]: the calls read from the text; content null when there is none.
+        const ToolOutput t = parse_tool_output(req.tools, c.text);
+        if (!t.calls.empty()) {
+          message["content"] = t.content.empty() ? json(nullptr) : json(t.content);
+          message["tool_calls"] = tool_calls_json(t.calls, "call_" + id + "_" + std::to_string(i) + "_", false);
+          if (reason == "stop" && req.tools.choice != ToolChoice::kNamed) reason = "tool_calls";
+        }
+      }
       out_choices.push_back({{"index", i},
-                             {"message", {{"role", "assistant"}, {"content", c.text}}},
+                             {"message", message},
                              {"logprobs", req.logprobs >= 0 ? chat_logprobs(l, c.tokens) : json(nullptr)},
-                             {"finish_reason", c.finish_reason}});
+                             {"finish_reason", reason}});
     } else {
       const std::string text = req.echo ? req.prompt_texts[pi] + c.text : c.text;
       json lp = nullptr;

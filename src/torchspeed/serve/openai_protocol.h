@@ -14,6 +14,7 @@
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/tokenizer.h"
 #include "torchspeed/inference/engine.h"
+#include "torchspeed/serve/tool_calls.h"
 
 namespace torchspeed::serve {
 
@@ -38,7 +39,12 @@ struct ProtocolLimits {
   int64_t max_token_bytes = 0;   // the tokenizer's longest token in bytes (0: unknown, no pre-check)
   // The model's own chat template and end-of-turn tokens; null or without a template: ours.
   data::ChatFormatPtr chat;
+  std::string tool_parser;  // --tool-call-parser: what tool_choice "auto" reads calls with (empty: refused)
 };
+
+// The value at `where` (object keys, or array indices as digits) with objects' keys in the order
+// the client wrote them (read again from `raw`, the body's text; without it, sorted).
+nlohmann::ordered_json ordered_at(const nlohmann::json& body, const std::vector<std::string>& where, const std::string* raw);
 
 // The messages checked field by field and normalised to [{role, content: string}] (text parts
 // joined), as chat templates read them.
@@ -57,6 +63,7 @@ struct CompletionRequest {
   int64_t best_of = 1;  // >= n: completions generated per prompt (choice k of prompt p: p * best_of + k)
   bool stream = false, echo = false, include_usage = false;
   int64_t logprobs = -1;  // completions: top-N; chat: top_logprobs when logprobs is true
+  ToolRequest tools;      // chat: tools and tool_choice (Note [Tool calls])
 };
 
 // Throws ApiError (400 naming the field, 404 for an unknown model). raw: the body's text, from

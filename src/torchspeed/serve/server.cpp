@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "torchspeed/inference/text.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 #include "torchspeed/serve/http.h"
@@ -109,6 +110,8 @@ struct Job {
   int64_t created = 0;
   std::vector<bool> first;
   std::vector<int64_t> text_offset;  // per choice: bytes of text sent (logprobs' text_offset)
+  std::vector<std::string> tool_text;  // per choice, with tools: the text so far (Note [Tool calls])
+  std::vector<size_t> tool_sent;       // ... and how much of it went out as content
   int64_t prompt_tokens = 0, completion_tokens = 0;
 };
 }  // namespace
@@ -137,6 +140,7 @@ struct Server::Impl {
     l.max_token_bytes = max_token_bytes;
     l.chat = chat;
     l.max_tokens = o.max_tokens();
+    l.tool_parser = o.tool_parser();
     // A request's choices enter the queue together: more than it holds could never be served.
     l.max_n = std::max<int64_t>(1, std::min(o.max_n(), e.options().max_queue()));
     const inference::EngineStats s = e.stats();
@@ -186,6 +190,10 @@ struct Server::Impl {
         for (auto& [i, ev] : evs) {
           if (ev.finished && ev.finish_reason == "abort") aborted = true;
           if (ev.finished) job->completion_tokens += ev.completion_tokens;
+          if (r.tools.active()) {
+            out += tool_stream(*job, i, ev);
+            continue;
+          }
           const bool is_first = job->first[static_cast<size_t>(i)];
           if (ev.text.empty() && !ev.finished && !is_first && (r.logprobs < 0 || ev.tokens.empty())) continue;
           out += sse(stream_chunk(job->id, job->created, job->limits, r, i, ev.text, ev.tokens, ev.finished ? ev.finish_reason : "", is_first,
@@ -211,6 +219,47 @@ struct Server::Impl {
         return;
       }
     }
+  }
+
+  // A streamed choice of a request with tools (Note [Tool calls]): content goes out while it
+  // surely is content; when the text ends, its calls go out whole as one tool_calls delta (the
+  // id, name and all the arguments), then the finish.
+  static std::string tool_stream(Job& job, int64_t i, const inference::RequestEvent& ev) {
+    const CompletionRequest& r = *job.req;
+    const auto k = static_cast<size_t>(i);
+    std::string& text = job.tool_text[k];
+    text += ev.text;
+    std::string out;
+    auto content = [&](const std::string& piece, const std::string& reason) {
+      out += sse(stream_chunk(job.id, job.created, job.limits, r, i, piece, {}, reason, job.first[k]));
+      job.first[k] = false;
+    };
+    if (!ev.finished) {
+      const size_t safe = tool_content_prefix(r.tools, text);
+      if (safe > job.tool_sent[k]) {
+        // Whole UTF-8 characters only: the rest waits for the next event.
+        const size_t end = inference::complete_utf8_prefix(text, safe);
+        if (end > job.tool_sent[k]) content(text.substr(job.tool_sent[k], end - job.tool_sent[k]), "");
+        job.tool_sent[k] = std::max(job.tool_sent[k], end);
+      }
+      return out;
+    }
+    const ToolOutput t = parse_tool_output(r.tools, text);
+    std::string reason = ev.finish_reason;
+    if (t.calls.empty()) {
+      content(text.substr(std::min(job.tool_sent[k], text.size())), reason);
+      return out;
+    }
+    if (t.content.size() > job.tool_sent[k]) content(t.content.substr(job.tool_sent[k]), "");
+    json delta = {{"tool_calls", tool_calls_json(t.calls, "call_" + job.id + "_" + std::to_string(i) + "_", true)}};
+    if (job.first[k]) delta["role"] = "assistant", delta["content"] = nullptr;
+    job.first[k] = false;
+    out += sse({{"id", job.id}, {"object", "chat.completion.chunk"}, {"created", job.created}, {"model", job.limits.model_name},
+                {"choices", json::array({{{"index", i}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", nullptr}}})}});
+    if (reason == "stop" && r.tools.choice != ToolChoice::kNamed) reason = "tool_calls";
+    out += sse({{"id", job.id}, {"object", "chat.completion.chunk"}, {"created", job.created}, {"model", job.limits.model_name},
+                {"choices", json::array({{{"index", i}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", reason}}})}});
+    return out;
   }
 
   void answer(const std::shared_ptr<Job>& job) {
@@ -283,6 +332,8 @@ struct Server::Impl {
       job->choices.resize(static_cast<size_t>(job->total));
       job->first.assign(static_cast<size_t>(job->total), true);
       job->text_offset.assign(static_cast<size_t>(job->total), 0);
+      job->tool_text.assign(static_cast<size_t>(job->total), "");
+      job->tool_sent.assign(static_cast<size_t>(job->total), 0);
       job->res = res;
       job->req = r;
       job->limits = l;
