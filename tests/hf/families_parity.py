@@ -286,6 +286,21 @@ def serve(args):
                       c2["message"]["content"].startswith(answer),
                       "%s: ignore_eos gave %r (finish %s, %d tokens)" % (args.dir, c2["message"]["content"],
                                                                           c2["finish_reason"], r2["usage"]["completion_tokens"]))
+        # /v1/embeddings (vLLM's pooling, last token, L2-normalized): transformers' last hidden
+        # state (after the final norm) at each input's last token.
+        inputs = [prompt_ids, prompt_ids[:7]]
+        r = post(port, "/v1/embeddings", {"model": "m", "input": inputs})
+        for k, ids in enumerate(inputs):
+            with torch.no_grad():
+                h = model.base_model(torch.tensor([ids])).last_hidden_state[0, -1].double()
+            ref = h / h.norm()
+            got = torch.tensor(r["data"][k]["embedding"], dtype=torch.float64)
+            diff = (got - ref).abs().max().item()
+            print("families_parity: %s embeddings %s of %d tokens: %d values, max |difference| %.3g" % (
+                args.dir, args.weights, len(ids), got.numel(), diff), flush=True)
+            check(got.numel() == ref.numel() and diff <= args.tol,
+                  "%s: the embedding of %d tokens differs from transformers' by %g > %g" % (args.dir, len(ids), diff, args.tol))
+        check(r["usage"]["prompt_tokens"] == sum(len(i) for i in inputs), "embeddings usage %r" % r["usage"])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

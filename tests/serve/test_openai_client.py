@@ -586,6 +586,40 @@ def check_structured_output():
         prompt="x", structured_outputs={"regex": "a+"})), 400, "structured_outputs.regex")
 
 
+def check_embeddings():
+    """/v1/embeddings: pooled final hidden states, unit length, the same alone or in a list, as
+    text or token ids, as floats or base64, while generation runs beside them."""
+    import base64
+    import math
+    r = CTX.client.embeddings.create(model=CTX.model, input=["Hi", "The cat", "Hi"])
+    vecs = [d.embedding for d in r.data]
+    dim = len(vecs[0])
+    check(len(vecs) == 3 and all(len(v) == dim for v in vecs) and dim > 8, f"{len(vecs)} embeddings of {dim} values")
+    check([d.index for d in r.data] == [0, 1, 2], f"indices {[d.index for d in r.data]}")
+    for v in vecs:
+        check(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-4, "an embedding is not unit length")
+    check(vecs[0] == vecs[2] and vecs[0] != vecs[1], "equal inputs gave different embeddings, or different inputs equal ones")
+    check(r.usage.prompt_tokens == 2 + 7 + 2, f"usage {r.usage!r}")
+    alone = CTX.client.embeddings.create(model=CTX.model, input="Hi").data[0].embedding
+    ids = CTX.client.embeddings.create(model=CTX.model, input=[72, 105]).data[0].embedding
+    check(alone == vecs[0] and ids == vecs[0], "\"Hi\" alone, in a list and as token ids gave different embeddings")
+    j = expect_json(raw_request("POST", "/v1/embeddings", {"model": CTX.model, "input": "Hi", "encoding_format": "base64"}))
+    raw = base64.b64decode(j["data"][0]["embedding"])
+    floats = list(struct.unpack("<%df" % (len(raw) // 4), raw))
+    check(floats == vecs[0], "base64 embedding differs from the float one")
+    # Beside a running generation: both answered.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        gen = pool.submit(complete, "The ", max_tokens=tokens_for(4, 60), temperature=0)
+        emb = pool.submit(CTX.client.embeddings.create, model=CTX.model, input=["The cat"] * 4)
+        check(all(d.embedding == vecs[1] for d in emb.result().data), "embeddings changed beside a generation")
+        check(gen.result().usage.completion_tokens > 0, "the generation beside embeddings")
+    expect_error(raw_request("POST", "/v1/embeddings", {"model": CTX.model, "input": "Hi", "dimensions": dim + 1}), 400, "dimensions")
+    expect_error(raw_request("POST", "/v1/embeddings", {"model": CTX.model, "input": ""}), 400, "input")
+    expect_error(raw_request("POST", "/v1/embeddings", {"model": CTX.model, "input": "Hi", "pooling": "mean"}), 400, "pooling")
+    expect_error(raw_request("POST", "/v1/embeddings", {"model": CTX.model, "input": "a" * (CTX.max_len + 1)}), 400, "input")
+    expect_error(raw_request("POST", "/v1/embeddings", {"model": CTX.model, "input": [[1, 2], [300]]}), 400, "input[1]")
+
+
 def check_stream_equals_nonstream():
     n = tokens_for(4, 40)
     for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
@@ -1067,6 +1101,7 @@ CHECKS = [
     ("sampling_parameters", check_sampling_parameters),
     ("tokenize", check_tokenize),
     ("structured_output", check_structured_output),
+    ("embeddings", check_embeddings),
     ("stream_equals_nonstream", check_stream_equals_nonstream),
     ("stop", check_stop),
     ("n", check_n),

@@ -36,7 +36,7 @@ struct ServeOpts {
   int64_t max_request_tokens = 0;
   double kv_mb = 0;
   int64_t block_size = 16, max_num_seqs = 16, max_batched_tokens = 256, max_queue = 64, max_tokens = 0, max_n = 16;
-  std::string tool_parser;
+  std::string tool_parser, pooling = "last";
   bool auto_tool_choice = false;
   int64_t max_body = 1 << 20;
 };
@@ -128,6 +128,8 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                   "Hermes) or llama3_json (Llama 3.1's JSON); without it \"auto\" is refused")
       ->check(CLI::IsMember({"hermes", "llama3_json"}));
   cmd->add_flag("--enable-auto-tool-choice", o->auto_tool_choice, "vLLM's flag, accepted: needs --tool-call-parser");
+  cmd->add_option("--pooling", o->pooling, "How /v1/embeddings pools the final hidden states (then L2-normalized): last token or mean")
+      ->check(CLI::IsMember({"last", "mean"}));
   cmd->add_option("--max-body-bytes", o->max_body, "Largest request body (413 beyond)")->check(CLI::Range(1024, 1 << 30));
   cmd->add_option("--http-threads", o->http_threads, "Threads that parse and tokenize requests (connections and generations hold none)")->check(CLI::Range(1, 256));
   cmd->add_option("--max-connections", o->max_connections, "Client connections open at once (503 past it)")->check(CLI::Range(1, 1 << 20));
@@ -176,6 +178,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                     "--tp", std::to_string(o->tp), "--stop-file", stop};
       if (!o->tokenizer.empty()) lo.program.insert(lo.program.end(), {"--tokenizer", o->tokenizer});
       if (!o->tool_parser.empty()) lo.program.insert(lo.program.end(), {"--tool-call-parser", o->tool_parser});
+      lo.program.insert(lo.program.end(), {"--pooling", o->pooling});
       if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
       if (!o->prefix_caching) lo.program.push_back("--no-enable-prefix-caching");
       if (!o->speculative_config.empty()) lo.program.insert(lo.program.end(), {"--speculative-config", o->speculative_config});
@@ -206,6 +209,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                              .max_tokens(o->max_tokens)
                              .max_n(o->max_n)
                              .tool_parser(o->tool_parser)
+                             .pooling(o->pooling)
                              .http_threads(o->http_threads)
                              .max_connections(o->max_connections)
                              .max_request_tokens(o->max_request_tokens));

@@ -417,7 +417,72 @@ void Engine::follow(InferenceModel& model, const EngineOptions& options, const c
   }
 }
 
+std::vector<std::vector<float>> Engine::embed(const std::vector<std::vector<int64_t>>& inputs, Pooling pooling, bool normalize) {
+  const int64_t ctx = model_->config().seq_len, vocab = model_->config().vocab;
+  for (const auto& in : inputs) {
+    TS_CHECK(!in.empty(), "an input to embed is empty");
+    TS_CHECK(static_cast<int64_t>(in.size()) <= ctx, "an input of ", in.size(), " tokens exceeds the model's context of ", ctx, " tokens");
+    TS_CHECK(blocks_for(static_cast<int64_t>(in.size()), cache_->block_size()) <= pool_.total(), "an input of ", in.size(),
+             " tokens needs more KV-cache blocks than the cache has (", pool_.total(), ")");
+    for (int64_t t : in) TS_CHECK(t >= 0 && t < vocab, "token ", t, " is outside the vocabulary [0, ", vocab, ")");
+  }
+  // On the loop's thread: free blocks of the engine's own cache for the pass (so tensor-parallel
+  // followers, which run every plan on their caches, write only where nothing lives), given back
+  // after it.
+  auto work = [&] {
+    std::vector<std::vector<float>> out;
+    for (const auto& in : inputs) {
+      const int64_t need = blocks_for(static_cast<int64_t>(in.size()), cache_->block_size());
+      if (!pool_.can_allocate(need)) throw EngineBusy("the KV cache has no room for this input now; retry");
+      StepPlan plan;
+      SeqChunk c;
+      c.tokens = in;
+      c.blocks = pool_.allocate(need);
+      c.all_logits = pooling == Pooling::kMean;
+      plan.seqs.push_back(c);
+      at::Tensor h;
+      try {
+        send_plan(&plan);
+        h = model_->hidden(plan, *cache_);  // [rows, d]
+      } catch (...) {
+        pool_.release(c.blocks);
+        throw;
+      }
+      pool_.release(c.blocks);
+      at::Tensor v = pooling == Pooling::kMean ? h.mean(0) : h[h.size(0) - 1];
+      if (normalize) v = v / v.norm().clamp_min(1e-12);
+      v = v.contiguous().to(at::kFloat);
+      out.emplace_back(v.data_ptr<float>(), v.data_ptr<float>() + v.numel());
+    }
+    return out;
+  };
+  std::packaged_task<std::vector<std::vector<float>>()> task(work);
+  auto result = task.get_future();
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    TS_CHECK(!stopping_, "the engine is stopping");
+    if (loop_running_) {  // the loop runs it before its next step, or as it ends
+      tasks_.emplace_back([&task] { task(); });
+      cv_.notify_all();
+      queued = true;
+    }
+  }
+  if (!queued) task();
+  return result.get();
+}
+
+void Engine::run_tasks() {
+  std::deque<std::function<void()>> tasks;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    tasks.swap(tasks_);
+  }
+  for (auto& t : tasks) t();  // a packaged task: an exception goes to its caller
+}
+
 bool Engine::step() {
+  run_tasks();
   admit_inbox();
   StepPlan plan;
   std::vector<Sequence*> order;
@@ -565,6 +630,7 @@ void Engine::loop() {
   struct Done {
     Engine* e;
     ~Done() {
+      e->run_tasks();  // an embed() queued as the loop ended still gets its answer
       std::lock_guard<std::mutex> g(e->mu_);
       e->loop_running_ = false;
       e->done_cv_.notify_all();
@@ -573,7 +639,9 @@ void Engine::loop() {
   while (true) {
     {
       std::unique_lock<std::mutex> lk(mu_);
-      auto ready = [&] { return stopping_ || !inbox_.empty() || !cancelled_.empty() || !running_.empty() || !waiting_.empty(); };
+      auto ready = [&] {
+        return stopping_ || !inbox_.empty() || !cancelled_.empty() || !running_.empty() || !waiting_.empty() || !tasks_.empty();
+      };
       if (tp_) {
         if (!cv_.wait_for(lk, std::chrono::seconds(1), ready)) {
           lk.unlock();

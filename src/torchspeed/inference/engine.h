@@ -13,11 +13,13 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -106,6 +108,11 @@ struct EngineStats {
 // context where that is more.
 KVCacheOptions resolve_kv(const KVCacheOptions& kv, const InferenceModel& model);
 
+// embed() when the KV cache has no room for the input at the moment (a server answers 503).
+struct EngineBusy : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 class Engine {
  public:
   // `tp`: the tensor-parallel group (rank 0 calls this; the others call follow()).
@@ -143,6 +150,13 @@ class Engine {
   // loop ended; failure() is the error.
   bool failed() const;
   std::string failure() const;
+  // Embeddings (vLLM's pooling): per input, the final hidden states (after the final norm) of
+  // its last token (kLast) or the mean over its tokens (kMean), L2-normalized when `normalize`.
+  // Computed on the engine's thread between two steps (on the caller's when no loop runs), in
+  // free blocks of the KV cache (EngineBusy when there are too few now). Throws Error for a bad
+  // input or when stopping, and what the forward throws.
+  enum class Pooling { kLast, kMean };
+  std::vector<std::vector<float>> embed(const std::vector<std::vector<int64_t>>& inputs, Pooling pooling, bool normalize);
   // One iteration on the caller's thread (tests, no thread started): false when idle.
   bool step();
   // Runs steps until every submitted request finished (tests).
@@ -162,6 +176,7 @@ class Engine {
  private:
   struct Sequence;
   void admit_inbox();
+  void run_tasks();  // the queued embed() calls
   bool schedule(StepPlan& plan, std::vector<Sequence*>& order);
   void finish(Sequence& s, const std::string& reason);
   void deliver(Sequence& s, const RequestEvent& ev);
@@ -184,6 +199,7 @@ class Engine {
   mutable std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::deque<std::unique_ptr<Sequence>> inbox_;
+  std::deque<std::function<void()>> tasks_;  // run on the loop's thread between steps (embed)
   std::set<uint64_t> cancelled_;
   uint64_t next_id_ = 1;
   bool stopping_ = false, drain_ = true, followers_stopped_ = false;

@@ -356,7 +356,7 @@ void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Te
   }
 }
 
-at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
+at::Tensor InferenceModel::run(const StepPlan& plan, KVCache& cache, bool logits) {
   c10::InferenceMode guard;
   TS_INTERNAL_ASSERT(!plan.seqs.empty(), "empty step plan");
   std::vector<int64_t> toks, pos, slots, logit_rows;
@@ -434,6 +434,7 @@ at::Tensor InferenceModel::forward(const StepPlan& plan, KVCache& cache) {
   } else {
     hf = at::layer_norm(last, {d}, lnf_w_, lnf_b_, cfg_.layer_norm_eps);
   }
+  if (!logits) return hf;
   return head_.forward(hf, decode_logit_rows);
 }
 

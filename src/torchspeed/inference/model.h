@@ -65,11 +65,15 @@ class InferenceModel {
 
   // Runs the chunks; returns fp32 logits [rows, vocab]: for each chunk with want_logits, its
   // last token's row (every token's with all_logits), in plan order.
-  at::Tensor forward(const StepPlan& plan, KVCache& cache);
+  at::Tensor forward(const StepPlan& plan, KVCache& cache) { return run(plan, cache, true); }
+  // The same pass, returning the rows' final hidden states (after the final norm, before the LM
+  // head: [rows, d]) instead of their logits (embeddings).
+  at::Tensor hidden(const StepPlan& plan, KVCache& cache) { return run(plan, cache, false); }
   // Collective calls this rank made on its TP group per forward (0 without TP).
   int64_t collectives_per_forward() const { return tp_ ? 2 * cfg_.n_layer : 0; }
 
  private:
+  at::Tensor run(const StepPlan& plan, KVCache& cache, bool logits);
   struct Layer {
     at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // biases: LayerNorm only
     at::Tensor q_norm, k_norm;              // Qwen3's per-head RMSNorm weights [head_dim]

@@ -1,6 +1,7 @@
 #include "torchspeed/serve/openai_protocol.h"
 
 #include <cstdio>
+#include <cstring>
 #include <set>
 
 #include "torchspeed/serve/tool_calls.h"
@@ -570,6 +571,98 @@ void check_optional_model(const json& b, const ProtocolLimits& l) {
   if (present(b, "model")) check_model(b, l);
 }
 }  // namespace
+
+EmbeddingRequest parse_embeddings(const json& b, const ProtocolLimits& l) {
+  check_fields(b, {"model", "input", "encoding_format", "dimensions", "user", "add_special_tokens"});
+  check_model(b, l);
+  EmbeddingRequest r;
+  if (present(b, "encoding_format")) {
+    const json& f = b.at("encoding_format");
+    if (f != "float" && f != "base64") bad("encoding_format", "expected \"float\" or \"base64\"");
+    r.base64 = f == "base64";
+  }
+  if (present(b, "dimensions")) {
+    const int64_t dims = get_int(b, "dimensions", 0, 1, 1 << 20);
+    if (dims != l.hidden_size) bad("dimensions", "this model's embeddings have " + std::to_string(l.hidden_size) + " dimensions, not " + std::to_string(dims));
+  }
+  if (present(b, "user") && !b.at("user").is_string()) bad("user", "expected a string");
+  const bool special = get_bool(b, "add_special_tokens", true);
+  if (!present(b, "input")) bad("input", "required");
+  const json& in = b.at("input");
+  auto add = [&](std::vector<int64_t> ids, const std::string& f) {
+    if (ids.empty()) bad(f, "an input is empty");
+    if (static_cast<int64_t>(ids.size()) > l.context_length) {
+      throw ApiError(400, "this model's maximum context length is " + std::to_string(l.context_length) + " tokens; the input has " +
+                              std::to_string(ids.size()), f, "invalid_request_error", "context_length_exceeded");
+    }
+    r.inputs.push_back(std::move(ids));
+  };
+  auto text = [&](const std::string& s, const std::string& f) {
+    check_text_fits(l, s, f, 0);
+    add(special ? encode_prompt(l, s) : encode(l, s), f);
+  };
+  if (in.is_string()) {
+    text(in.get<std::string>(), "input");
+  } else if (in.is_array() && !in.empty() && in[0].is_number()) {
+    add(token_list(in, "input", l.vocab), "input");
+  } else if (in.is_array() && !in.empty()) {
+    if (in.size() > 2048) bad("input", "at most 2048 inputs, got " + std::to_string(in.size()));
+    for (size_t i = 0; i < in.size(); ++i) {
+      const std::string f = "input[" + std::to_string(i) + "]";
+      if (in[i].is_string()) text(in[i].get<std::string>(), f);
+      else if (in[i].is_array()) add(token_list(in[i], f, l.vocab), f);
+      else bad(f, "expected a string or a list of token ids");
+    }
+  } else {
+    bad("input", "expected a string, a list of strings, a list of token ids or a list of such lists");
+  }
+  int64_t tokens = 0;
+  for (const auto& x : r.inputs) tokens += static_cast<int64_t>(x.size());
+  if (l.max_request_tokens > 0 && tokens > l.max_request_tokens) {
+    bad("input", std::to_string(tokens) + " tokens in all, more than the " + std::to_string(l.max_request_tokens) + " this server takes in one request");
+  }
+  return r;
+}
+
+namespace {
+std::string base64_of(const std::string& bytes) {
+  static const char* kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    const uint32_t n = static_cast<uint32_t>(static_cast<unsigned char>(bytes[i])) << 16 |
+                       (i + 1 < bytes.size() ? static_cast<uint32_t>(static_cast<unsigned char>(bytes[i + 1])) << 8 : 0) |
+                       (i + 2 < bytes.size() ? static_cast<uint32_t>(static_cast<unsigned char>(bytes[i + 2])) : 0);
+    out += kAlphabet[n >> 18 & 63];
+    out += kAlphabet[n >> 12 & 63];
+    out += i + 1 < bytes.size() ? kAlphabet[n >> 6 & 63] : '=';
+    out += i + 2 < bytes.size() ? kAlphabet[n & 63] : '=';
+  }
+  return out;
+}
+}  // namespace
+
+json embeddings_response(const ProtocolLimits& l, const EmbeddingRequest& r, const std::vector<std::vector<float>>& vectors) {
+  json data = json::array();
+  int64_t tokens = 0;
+  for (size_t i = 0; i < vectors.size(); ++i) {
+    tokens += static_cast<int64_t>(r.inputs[i].size());
+    json e;
+    if (r.base64) {  // OpenAI's: the float32 values' little-endian bytes
+      std::string bytes(vectors[i].size() * sizeof(float), '\0');
+      for (size_t k = 0; k < vectors[i].size(); ++k) {
+        uint32_t u;
+        std::memcpy(&u, &vectors[i][k], sizeof(u));
+        for (int b = 0; b < 4; ++b) bytes[k * 4 + static_cast<size_t>(b)] = static_cast<char>(u >> (8 * b) & 0xFF);
+      }
+      e = base64_of(bytes);
+    } else {
+      e = vectors[i];
+    }
+    data.push_back({{"object", "embedding"}, {"index", i}, {"embedding", std::move(e)}});
+  }
+  return {{"object", "list"}, {"data", data}, {"model", l.model_name}, {"usage", {{"prompt_tokens", tokens}, {"total_tokens", tokens}}}};
+}
 
 json tokenize(const json& b, const ProtocolLimits& l) {
   std::vector<int64_t> ids;

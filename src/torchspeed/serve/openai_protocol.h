@@ -39,6 +39,7 @@ struct ProtocolLimits {
   int64_t max_token_bytes = 0;   // the tokenizer's longest token in bytes (0: unknown, no pre-check)
   // The model's own chat template and end-of-turn tokens; null or without a template: ours.
   data::ChatFormatPtr chat;
+  int64_t hidden_size = 0;  // the model's d (embeddings' length)
   std::string tool_parser;  // --tool-call-parser: what tool_choice "auto" reads calls with (empty: refused)
 };
 
@@ -91,6 +92,16 @@ nlohmann::json stream_chunk(const std::string& id, int64_t created, const Protoc
                             const CompletionRequest& req, int64_t index, const std::string& text,
                             const std::vector<inference::GeneratedToken>& tokens, const std::string& finish_reason,
                             bool first, int64_t* text_offset = nullptr);
+// OpenAI's /v1/embeddings: `input` (a string, strings, token ids, or lists of them) tokenized;
+// `encoding_format` float or base64; `dimensions` only as the model's own. Throws ApiError.
+struct EmbeddingRequest {
+  std::vector<std::vector<int64_t>> inputs;
+  bool base64 = false;
+};
+EmbeddingRequest parse_embeddings(const nlohmann::json& body, const ProtocolLimits& limits);
+nlohmann::json embeddings_response(const ProtocolLimits& limits, const EmbeddingRequest& req,
+                                   const std::vector<std::vector<float>>& vectors);
+
 // vLLM's /tokenize (a prompt, or chat messages through the chat template) and /detokenize:
 // the answer's JSON; throws ApiError naming the field.
 nlohmann::json tokenize(const nlohmann::json& body, const ProtocolLimits& limits);

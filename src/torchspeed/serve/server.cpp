@@ -141,6 +141,7 @@ struct Server::Impl {
     l.chat = chat;
     l.max_tokens = o.max_tokens();
     l.tool_parser = o.tool_parser();
+    l.hidden_size = e.model().config().d_model;
     // A request's choices enter the queue together: more than it holds could never be served.
     l.max_n = std::max<int64_t>(1, std::min(o.max_n(), e.options().max_queue()));
     const inference::EngineStats s = e.stats();
@@ -457,6 +458,32 @@ struct Server::Impl {
                                         {"owned_by", "torchspeed"}, {"root", o.model_name()}, {"parent", nullptr},
                                         {"max_model_len", e->context_length()}}})}}));
     }, Mode::kInline);
+    // Embeddings: the engine's thread runs the forward between two steps (Engine::embed).
+    http->route("POST", "/v1/embeddings", [this](http::Request& req, const http::Responder& res) {
+      if (!authorized(req, res)) return;
+      inference::Engine* e = engine.load();
+      if (auto err = unavailable(e)) return send_error(res, *err);
+      try {
+        const ProtocolLimits l = limits(*e);
+        const EmbeddingRequest r = parse_embeddings(parse_body(req.body), l);
+        std::vector<std::vector<float>> vectors;
+        try {
+          vectors = e->embed(r.inputs, o.pooling() == "mean" ? inference::Engine::Pooling::kMean : inference::Engine::Pooling::kLast,
+                             /*normalize=*/true);
+        } catch (const inference::EngineBusy& err) {
+          throw ApiError(503, err.what(), "", "server_error", "kv_cache_full");
+        } catch (const Error& err) {
+          if (auto down = unavailable(e)) throw *down;
+          throw ApiError(400, err.what(), "input");
+        }
+        if (res.gone()) return;
+        res.respond(json_response(200, embeddings_response(l, r, vectors)));
+      } catch (const ApiError& err) {
+        error_reply(res, err);
+      } catch (const std::exception& err) {
+        error_reply(res, ApiError(500, std::string("internal error: ") + err.what(), "", "server_error"));
+      }
+    }, Mode::kWorker);
     // vLLM's tokenizer routes (benchmark clients align their prompts with them).
     for (const char* path : {"/tokenize", "/detokenize"}) {
       const bool tok = std::string(path) == "/tokenize";

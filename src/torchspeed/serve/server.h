@@ -28,6 +28,7 @@ struct ServerOptions {
   TORCH_ARG(int64_t, max_request_tokens) = 0;    // prompts x n x (prompt + max_tokens); 0: the KV cache
   TORCH_ARG(int, http_threads) = 4;              // workers that parse and tokenize requests
   TORCH_ARG(int, max_connections) = 1024;        // open at once; 503 past it
+  TORCH_ARG(std::string, pooling) = "last";      // /v1/embeddings: last or mean (then L2-normalized)
   TORCH_ARG(std::string, tool_parser) = "";      // hermes or llama3_json: tool_choice "auto" (empty: refused)
 };
 
