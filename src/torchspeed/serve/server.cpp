@@ -16,6 +16,7 @@
 #include "torchspeed/inference/text.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
+#include "torchspeed/serve/chat_page.h"
 #include "torchspeed/serve/http.h"
 #include "torchspeed/serve/openai_protocol.h"
 
@@ -423,6 +424,16 @@ struct Server::Impl {
 
   void routes() {
     using Mode = http::Server::Mode;
+    // The chat page (no key needed to load it; its requests carry the key it is given).
+    for (const char* path : {"/", "/index.html"}) {
+      http->route("GET", path, [](http::Request&, const http::Responder& res) {
+        http::Response r;
+        r.content_type = "text/html; charset=utf-8";
+        r.body = chat_page_html();
+        r.headers.emplace_back("Cache-Control", "no-cache");
+        res.respond(std::move(r));
+      }, Mode::kInline);
+    }
     http->route("GET", "/health", [this](http::Request&, const http::Responder& res) {
       inference::Engine* e = engine.load();
       if (!e) return res.respond(json_response(503, {{"status", "loading"}})), void();
