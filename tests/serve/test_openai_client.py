@@ -577,13 +577,21 @@ def check_structured_output():
     if c.finish_reason == "stop":
         check(isinstance(json.loads(c.message.content), dict), f"json_object: {c.message.content!r}")
     # What cannot be held to is refused, naming the keyword.
-    bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "string", "pattern": "a+"}}}
+    bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "string", "pattern": "(?=a)b"}}}
     expect_error(raw_request("POST", "/v1/chat/completions", completions_body(messages=msgs, response_format=bad)),
                  400, "response_format.json_schema.schema.pattern")
     expect_error(raw_request("POST", "/v1/chat/completions", completions_body(
         messages=msgs, response_format={"type": "xml"})), 400, "response_format.type")
     expect_error(raw_request("POST", "/v1/completions", completions_body(
-        prompt="x", structured_outputs={"regex": "a+"})), 400, "structured_outputs.regex")
+        prompt="x", structured_outputs={"grammar": "root ::= \"a\""})), 400, "structured_outputs.grammar")
+    expect_error(raw_request("POST", "/v1/completions", completions_body(
+        prompt="x", structured_outputs={"regex": "(a"})), 400, "structured_outputs.regex")
+    # A regular expression (vLLM's structured_outputs.regex): the whole text matches.
+    import re
+    pat = "[A-Z][a-z]{1,6}-[0-9]{2,4}"
+    r = complete("The ", max_tokens=20, temperature=1.0, seed=8, n=4, extra_body={"structured_outputs": {"regex": pat}})
+    for c in r.choices:
+        check(re.fullmatch(pat, c.text) and c.finish_reason == "stop", f"regex {pat}: {c.text!r} ({c.finish_reason})")
 
 
 def check_embeddings():

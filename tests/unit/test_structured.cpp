@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -135,7 +136,8 @@ TEST(Structured, RefusesWhatItCannotHoldTo) {
     return std::string("(accepted)");
   };
   EXPECT_EQ(path_of(R"({"type":"object","properties":{"age":{"type":"integer","minimum":0}}})"), "properties.age.minimum");
-  EXPECT_EQ(path_of(R"({"type":"string","pattern":"a+"})"), "pattern");
+  EXPECT_EQ(path_of(R"({"type":"string","pattern":"(?=a)b"})"), "pattern");
+  EXPECT_EQ(path_of(R"({"type":"string","pattern":"a+"})"), "(accepted)");
   EXPECT_EQ(path_of(R"({"type":"widget"})"), "type");
   EXPECT_EQ(path_of(R"({"$ref":"#/$defs/missing"})"), "$ref");
   EXPECT_EQ(path_of(R"({"type":"object","properties":{"a":{}},"required":["b"]})"), "required");
@@ -221,4 +223,68 @@ TEST(Structured, SelfReferenceAndBlowUpAreBounded) {
   EXPECT_EQ(row['2'], -INFINITY);
   ASSERT_TRUE(m.accept('1'));
   EXPECT_TRUE(m.finished());
+}
+
+namespace {
+// UTF-8 to code points (wchar_t is 32 bits here): patterns count characters, as Python's re does.
+std::wstring wide(const std::string& s) {
+  std::wstring out;
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const int n = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+    uint32_t cp = n == 1 ? c : c & (0xFF >> (n + 1));
+    for (int k = 1; k < n && i + static_cast<size_t>(k) < s.size(); ++k) cp = cp << 6 | (static_cast<unsigned char>(s[i + static_cast<size_t>(k)]) & 0x3F);
+    out += static_cast<wchar_t>(cp);
+    i += static_cast<size_t>(n);
+  }
+  return out;
+}
+}  // namespace
+
+// Regular expressions (vLLM's structured_outputs.regex, and JSON Schema's pattern): texts
+// sampled under the mask from random logits always match, checked with std::wregex.
+TEST(Structured, RegexTextsAlwaysMatch) {
+  PieceTokenizer tok;
+  const int64_t vocab = tok.vocab_size(), eos = tok.eos_id();
+  auto trie = std::make_shared<const TokenTrie>(tok, vocab);
+  for (const char* pattern : {"(cat|dog)s?", "[A-Z][a-z]{2,5} [0-9]{3}-[0-9]{4}", "\\d+(\\.\\d{1,2})?", "(ab|a)*c",
+                              "[^x\\n]{1,8}!", "https?://[a-z]+\\.(com|org)/[a-z0-9_]*"}) {
+    const auto g = Grammar::regex(pattern);
+    const std::wregex re(wide(pattern));
+    std::mt19937 rng(3);
+    std::normal_distribution<float> noise(0.0f, 2.0f);
+    int ended = 0;
+    for (int run = 0; run < 60; ++run) {
+      SamplingParams p;
+      p.seed = static_cast<uint64_t>(run);
+      Sampler s(p, eos);
+      s.constrain(std::make_unique<GrammarMatcher>(g, trie, std::vector<int64_t>{eos}));
+      std::string text;
+      std::vector<float> row(static_cast<size_t>(vocab));
+      for (int step = 0; step < 200; ++step) {
+        for (auto& x : row) x = noise(rng);
+        row[static_cast<size_t>(eos)] += 2.0f;
+        const int64_t t = s.sample(row.data(), vocab, nullptr);
+        if (t == eos) break;
+        text += tok.token_bytes(t);
+        if (s.matcher()->finished()) break;
+      }
+      if (s.matcher()->complete()) {
+        ++ended;
+        EXPECT_TRUE(std::regex_match(wide(text), re)) << pattern << ": " << text;
+      }
+    }
+    EXPECT_GE(ended, 40) << pattern;
+  }
+  EXPECT_THROW((void)Grammar::regex("a(?=b)"), GrammarError);
+  EXPECT_THROW((void)Grammar::regex("(a"), GrammarError);
+  EXPECT_THROW((void)Grammar::regex("a{3,2}"), GrammarError);
+  EXPECT_THROW((void)Grammar::regex("a{2}{3}"), GrammarError);  // Python's "multiple repeat"
+  EXPECT_THROW((void)Grammar::regex("(a|b){200}{200}"), GrammarError);
+  // JSON Schema's pattern is a search inside the string; the string never needs escapes.
+  const auto g = Grammar::json_schema(ojson::parse(R"({"type":"object","properties":{"id":{"type":"string","pattern":"^[A-Z]{3}-\\d{2}$"},"note":{"type":"string","pattern":"ok"}},"required":["id","note"]})"));
+  EXPECT_TRUE(accepts(g, trie, R"({"id":"ABC-12","note":"is ok here"})", eos));
+  EXPECT_FALSE(accepts(g, trie, R"({"id":"ABC-123","note":"ok"})", eos));
+  EXPECT_FALSE(accepts(g, trie, R"({"id":"ABC-12","note":"no"})", eos));
+  EXPECT_FALSE(accepts(g, trie, R"({"id":"ABC-12","note":"o\"k ok"})", eos));
 }

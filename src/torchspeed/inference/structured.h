@@ -33,8 +33,14 @@ class Grammar {
   static std::shared_ptr<const Grammar> json_schema(const nlohmann::ordered_json& schema);
   static std::shared_ptr<const Grammar> json_object();  // any JSON object
   static std::shared_ptr<const Grammar> choice(const std::vector<std::string>& options);
+  // The whole text matches `pattern` (vLLM's structured_outputs.regex): literals, escapes
+  // (\d \w \s and their negations, \n \t ...), `.`, classes [a-z] [^...], groups (...) (?:...),
+  // alternation, quantifiers * + ? {n} {n,} {n,m} (lazy forms alike); `.` and negated classes
+  // match whole UTF-8 characters. Anything else (backreferences, lookaround, anchors inside)
+  // throws GrammarError.
+  static std::shared_ptr<const Grammar> regex(const std::string& pattern);
 
-  enum class Kind : uint8_t { kRoot, kLiteral, kAlt, kObject, kArray, kString, kNumber, kWs };
+  enum class Kind : uint8_t { kRoot, kLiteral, kAlt, kObject, kArray, kString, kNumber, kWs, kRegex };
   struct Node {
     Kind kind = Kind::kLiteral;
     std::string text;              // kLiteral
@@ -44,7 +50,14 @@ class Grammar {
     bool free_keys = false;        // kObject: any string keys (no properties listed)
     bool integer = false;          // kNumber
     int64_t min = 0, max = -1;     // kArray: items; kString: characters (-1: unbounded)
+    int32_t dfa = -1;              // kRegex: index into dfas
   };
+  // A regular expression as a byte DFA: next[state * 256 + byte] (-1: none); state 0 starts.
+  struct Dfa {
+    std::vector<int32_t> next;
+    std::vector<uint8_t> accepting, leaves;  // per state: may end here; has a transition out
+  };
+  std::vector<Dfa> dfas;
   std::vector<Node> nodes;
   int32_t root = 0;
   int32_t key_string = -1;  // kString for free keys

@@ -246,11 +246,19 @@ void structured(const json& b, CompletionRequest& r, const std::string* raw) {
           options.push_back(o.get<std::string>());
         }
         p.grammar = inference::Grammar::choice(options);
+      } else if (k == "regex") {
+        ++given;
+        if (!v.is_string() || v.get<std::string>().empty()) bad(f, "expected a non-empty pattern");
+        try {
+          p.grammar = inference::Grammar::regex(v.get<std::string>());
+        } catch (const inference::GrammarError& e) {
+          bad(f, e.what());
+        }
       } else {
-        bad(f, "not supported (json, json_object and choice are)");
+        bad(f, "not supported (json, json_object, choice and regex are)");
       }
     }
-    if (given != 1) bad("structured_outputs", "give exactly one of json, json_object, choice");
+    if (given != 1) bad("structured_outputs", "give exactly one of json, json_object, choice, regex");
   }
 }
 
