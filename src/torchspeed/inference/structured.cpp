@@ -313,14 +313,7 @@ class Runner {
         }
         return;
       case 9:  // after ',': an optional space, then a key
-        if (c == ' ') {
-          Stack t = s;
-          t.back().phase = 2;
-          out.push_back(std::move(t));
-        }
-        f.phase = 2;
-        feed(std::move(s), c, out, guard + 1);
-        return;
+        return optional_space(std::move(s), c, 2, out, guard);
       case 2:  // a key
         if (n.free_keys) {
           f.phase = 7;
@@ -339,14 +332,7 @@ class Runner {
         if (c == ':') f.phase = 4, out.push_back(std::move(s));
         return;
       case 4:  // after ':': an optional space, then the value
-        if (c == ' ') {
-          Stack t = s;
-          t.back().phase = 5;
-          out.push_back(std::move(t));
-        }
-        f.phase = 5;
-        feed(std::move(s), c, out, guard + 1);
-        return;
+        return optional_space(std::move(s), c, 5, out, guard);
       case 5:
         f.phase = 6;
         push(std::move(s), n.kids[n.free_keys ? 0 : static_cast<size_t>(f.a)], c, out, guard + 1);
@@ -385,18 +371,19 @@ class Runner {
           out.push_back(std::move(s));
         }
         return;
-      case 5:
-        if (c == ' ') {
-          Stack t = s;
-          t.back().phase = 2;
-          out.push_back(std::move(t));
-        }
-        f.phase = 2;
-        feed(std::move(s), c, out, guard + 1);
-        return;
+      case 5:  // after ',': an optional space, then an item
+        return optional_space(std::move(s), c, 2, out, guard);
       default:
         return;
     }
+  }
+
+  // One optional space, after which the top frame is in phase `next`: c is that space, or c goes
+  // to phase `next` at once.
+  void optional_space(Stack s, uint8_t c, int32_t next, State& out, int guard) const {
+    s.back().phase = next;
+    if (c == ' ') out.push_back(s);
+    feed(std::move(s), c, out, guard + 1);
   }
 
   const Grammar& g_;
