@@ -81,6 +81,19 @@ def tool_round_trip(client, model, failures):
         for e in got.values():
             jsonschema.validate(json.loads(e["arguments"]), params if e["name"] == call.function.name else
                                 {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[e["name"]])
+        # A named function streamed: the id and name first, then the arguments piece by piece.
+        pieces, names, reasons = [], set(), []
+        for chunk in client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=100, temperature=0,
+                                                    tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                    stream=True):
+            for d in chunk.choices[0].delta.tool_calls or []:
+                if d.function.name:
+                    names.add(d.function.name)
+                pieces.append(d.function.arguments or "")
+            reasons.append(chunk.choices[0].finish_reason)
+        if names != {"get_weather"} or len([p for p in pieces if p]) < 3 or reasons[-1] != "stop":
+            raise ValueError(f"named, streamed: names {names}, {len(pieces)} argument pieces, finish {reasons[-1]}")
+        jsonschema.validate(json.loads("".join(pieces)), WEATHER)
         # The result goes back as a tool message; the model answers from it.
         history = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                           {"role": "tool", "tool_call_id": call.id,

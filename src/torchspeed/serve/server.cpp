@@ -236,6 +236,30 @@ struct Server::Impl {
       out += sse(stream_chunk(job.id, job.created, job.limits, r, i, piece, {}, reason, job.first[k]));
       job.first[k] = false;
     };
+    auto chunk = [&](json delta, const json& reason) {
+      return sse({{"id", job.id}, {"object", "chat.completion.chunk"}, {"created", job.created}, {"model", job.limits.model_name},
+                  {"choices", json::array({{{"index", i}, {"delta", std::move(delta)}, {"logprobs", nullptr}, {"finish_reason", reason}}})}});
+    };
+    if (r.tools.choice == ToolChoice::kNamed) {
+      // A named function: the whole text is its arguments, streamed as OpenAI streams them (the
+      // call's id and name first, then the arguments piece by piece).
+      const std::string call_id = "call_" + job.id + "_" + std::to_string(i) + "_0";
+      if (job.first[k]) {
+        out += chunk({{"role", "assistant"}, {"content", nullptr},
+                      {"tool_calls", json::array({{{"index", 0}, {"id", call_id}, {"type", "function"},
+                                                   {"function", {{"name", r.tools.named}, {"arguments", ""}}}}})}},
+                     nullptr);
+        job.first[k] = false;
+      }
+      const size_t end = ev.finished ? text.size() : inference::complete_utf8_prefix(text, text.size());
+      if (end > job.tool_sent[k]) {
+        out += chunk({{"tool_calls", json::array({{{"index", 0}, {"function", {{"arguments", inference::sanitize_utf8(text.substr(job.tool_sent[k], end - job.tool_sent[k]))}}}}})}},
+                     nullptr);
+        job.tool_sent[k] = end;
+      }
+      if (ev.finished) out += chunk(json::object(), ev.finish_reason);
+      return out;
+    }
     if (!ev.finished) {
       const size_t safe = tool_content_prefix(r.tools, text);
       if (safe > job.tool_sent[k]) {
@@ -256,11 +280,9 @@ struct Server::Impl {
     json delta = {{"tool_calls", tool_calls_json(t.calls, "call_" + job.id + "_" + std::to_string(i) + "_", true)}};
     if (job.first[k]) delta["role"] = "assistant", delta["content"] = nullptr;
     job.first[k] = false;
-    out += sse({{"id", job.id}, {"object", "chat.completion.chunk"}, {"created", job.created}, {"model", job.limits.model_name},
-                {"choices", json::array({{{"index", i}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", nullptr}}})}});
-    if (reason == "stop" && r.tools.choice != ToolChoice::kNamed) reason = "tool_calls";
-    out += sse({{"id", job.id}, {"object", "chat.completion.chunk"}, {"created", job.created}, {"model", job.limits.model_name},
-                {"choices", json::array({{{"index", i}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", reason}}})}});
+    out += chunk(std::move(delta), nullptr);
+    if (reason == "stop") reason = "tool_calls";
+    out += chunk(json::object(), reason);
     return out;
   }
 

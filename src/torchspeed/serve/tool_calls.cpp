@@ -19,7 +19,8 @@ namespace torchspeed::serve {
 //   llama3_json reads a text that is one or more {"name": ..., "parameters": {...}} objects
 //   (separated by ';', after an optional <|python_tag|>). A call that does not parse leaves
 //   the whole text as content. Streamed, hermes content goes out as it comes until <tool_call>
-//   begins; the calls go out whole when the text ends.
+//   begins; the calls go out whole when the text ends (a named function's arguments stream
+//   piece by piece: the text is nothing else).
 // - "required": the text is held (structured output) to a JSON list of at least one
 //   {"name": one of the tools, "parameters": that tool's parameters schema} (one at most without
 //   parallel_tool_calls); finish_reason "tool_calls".
