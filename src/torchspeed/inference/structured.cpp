@@ -1196,7 +1196,7 @@ void GrammarMatcher::mask(float* logits, int64_t vocab) {
   const std::string key = key_of(state_);
   auto it = cache_.find(key);
   if (it == cache_.end()) {
-    if (cache_.size() >= 4096) cache_.clear();
+    if (cache_.size() >= 512) cache_.clear();  // 512 masks of the vocabulary: 3 MB a sequence at 49k tokens
     std::vector<uint64_t> bits(static_cast<size_t>((trie_->vocab + 63) / 64), 0);
     Runner r(*g_);
     auto room = [&](const State& st) {
