@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cstring>
 
+#include "torchspeed/serve/openai_fields.h"
 #include "torchspeed/serve/openai_protocol.h"
 
 namespace torchspeed::serve {
@@ -32,7 +33,7 @@ namespace {
 using json = nlohmann::json;
 using ojson = nlohmann::ordered_json;
 
-[[noreturn]] void bad(const std::string& field, const std::string& what) { throw ApiError(400, field + ": " + what, field); }
+using detail::bad;
 
 bool valid_name(const std::string& n) {
   if (n.empty() || n.size() > 64) return false;
