@@ -358,7 +358,12 @@ json chat_messages(const json& messages) {
     }
     json msg = {{"role", role}, {"content", content}};
     for (const auto& [k, v] : m.items()) {
-      if (k == "role" || k == "content" || (k == "name" && v.is_string())) continue;
+      if (k == "role" || k == "content") continue;
+      if (k == "name") {  // the participant's name: the chat template reads it where it wants it
+        if (!v.is_string()) bad(f + ".name", "expected a string");
+        msg["name"] = v;
+        continue;
+      }
       if (k == "tool_call_id" && role == "tool") {
         if (!v.is_string()) bad(f + ".tool_call_id", "expected a string");
         msg["tool_call_id"] = v;
