@@ -24,6 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t sel = data[0];
   sv::ProtocolLimits l;
   l.model_name = "m";
+  l.adapters = {"a", "b"};  // LoRA adapters: "model" may name one
   l.context_length = 64 + (sel >> 4) * 8;
   l.vocab = 256;
   l.max_n = 1 + (sel >> 1) % 8;

@@ -93,6 +93,27 @@ TEST(OpenAIProtocol, RequestTokenBudgetIsCheckedBeforeWork) {
   EXPECT_NO_THROW(parse_completion(b, l));
 }
 
+TEST(OpenAIProtocol, ModelNamesTheBaseOrALoraAdapter) {
+  ProtocolLimits l = limits();
+  l.adapters = {"sql", "chat"};
+  CompletionRequest r = parse_completion({{"model", "m"}, {"prompt", "a"}}, l);
+  EXPECT_EQ(r.adapter, 0);
+  r = parse_completion({{"model", "chat"}, {"prompt", "a"}}, l);
+  EXPECT_EQ(r.adapter, 2);
+  EXPECT_EQ(r.model, "chat");
+  r = parse_chat({{"model", "sql"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}}, l);
+  EXPECT_EQ(r.adapter, 1);
+  // The answer names the model the request named.
+  EXPECT_EQ(completion_response("id", 0, l, r, {ChoiceResult{}})["model"], "sql");
+  ApiError e = error_of([&] { parse_completion({{"model", "other"}, {"prompt", "a"}}, l); });
+  EXPECT_EQ(e.status, 404);
+  EXPECT_EQ(e.param, "model");
+  EXPECT_NE(std::string(e.what()).find("\"m\", \"sql\", \"chat\""), std::string::npos) << e.what();
+  e = error_of([&] { parse_embeddings({{"model", "sql"}, {"input", "a"}}, l); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "model");
+}
+
 TEST(OpenAIProtocol, ATextThatCannotFitIsRefusedBeforeTokenizing) {
   ProtocolLimits l = limits();  // bytes: one byte per token at most
   ApiError e = error_of([&] { parse_completion({{"model", "m"}, {"prompt", std::string(1 << 20, 'a')}}, l); });

@@ -16,6 +16,7 @@
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/checkpoint/gguf.h"
+#include "torchspeed/checkpoint/peft.h"
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/inference/engine.h"
 #include "torchspeed/runtime/error.h"
@@ -37,7 +38,8 @@ struct ServeOpts {
   double kv_mb = 0;
   int64_t block_size = 16, max_num_seqs = 16, max_batched_tokens = 256, max_queue = 64, max_tokens = 0, max_n = 16;
   std::string tool_parser, pooling = "last";
-  bool auto_tool_choice = false;
+  bool auto_tool_choice = false, enable_lora = false;
+  std::vector<std::string> lora_modules;  // NAME=DIR
   int64_t max_body = 1 << 20;
 };
 
@@ -87,6 +89,32 @@ std::string auto_weights(const std::string& path) {
   return "fp32";
 }
 
+// --lora-modules NAME=DIR ...: (name, folder) pairs, names distinct and not the base model's.
+serve::LoraModules parse_lora_modules(const std::vector<std::string>& specs, const std::string& base) {
+  serve::LoraModules out;
+  for (const std::string& s : specs) {
+    const size_t eq = s.find('=');
+    TS_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < s.size(), "serve: --lora-modules \"", s,
+             "\": expected NAME=DIR (the adapter's model id, and PEFT's folder with adapter_config.json)");
+    const std::string name = s.substr(0, eq), dir = s.substr(eq + 1);
+    TS_CHECK(name != base, "serve: --lora-modules: the adapter name \"", name, "\" is the base model's (--served-model-name)");
+    for (const auto& m : out) TS_CHECK(m.first != name, "serve: --lora-modules names \"", name, "\" twice");
+    out.emplace_back(name, dir);
+  }
+  return out;
+}
+
+// Every rank loads the same adapters in the same order (their ids are their positions).
+void load_adapters(inference::InferenceModel& model, const serve::LoraModules& mods) {
+  for (const auto& [name, dir] : mods) {
+    try {
+      model.add_adapter(checkpoint::peft::load(dir, model.config()));
+    } catch (const Error& e) {
+      TS_CHECK(false, "serve: LoRA adapter \"", name, "\": ", e.what());
+    }
+  }
+}
+
 std::string default_name(const std::string& path) {
   std::filesystem::path p(path);
   if (p.filename().empty()) p = p.parent_path();
@@ -128,6 +156,10 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                   "Hermes) or llama3_json (Llama 3.1's JSON); without it \"auto\" is refused")
       ->check(CLI::IsMember({"hermes", "llama3_json"}));
   cmd->add_flag("--enable-auto-tool-choice", o->auto_tool_choice, "vLLM's flag, accepted: needs --tool-call-parser");
+  cmd->add_option("--lora-modules", o->lora_modules,
+                  "LoRA adapters served beside the base model, NAME=DIR each (PEFT's folder: adapter_config.json and "
+                  "adapter_model.safetensors); a request's \"model\" picks one, and requests of different adapters are batched together");
+  cmd->add_flag("--enable-lora", o->enable_lora, "vLLM's flag, accepted: the adapters --lora-modules names are served");
   cmd->add_option("--pooling", o->pooling, "How /v1/embeddings pools the final hidden states (then L2-normalized): last token or mean")
       ->check(CLI::IsMember({"last", "mean"}));
   cmd->add_option("--max-body-bytes", o->max_body, "Largest request body (413 beyond)")->check(CLI::Range(1024, 1 << 30));
@@ -147,6 +179,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
       if (const char* k = std::getenv("TORCHSPEED_API_KEY")) o->api_key = k;
     }
     if (o->model_name.empty()) o->model_name = default_name(o->checkpoint);
+    const serve::LoraModules lora = parse_lora_modules(o->lora_modules, o->model_name);
     if (o->weights == "auto") o->weights = auto_weights(o->checkpoint);
     const inference::WeightFormat fmt = inference::parse_weight_format(o->weights);
     inference::EngineOptions eo = inference::EngineOptions()
@@ -179,6 +212,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
       if (!o->tokenizer.empty()) lo.program.insert(lo.program.end(), {"--tokenizer", o->tokenizer});
       if (!o->tool_parser.empty()) lo.program.insert(lo.program.end(), {"--tool-call-parser", o->tool_parser});
       lo.program.insert(lo.program.end(), {"--pooling", o->pooling});
+      for (const std::string& m : o->lora_modules) lo.program.insert(lo.program.end(), {"--lora-modules", m});
       if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
       if (!o->prefix_caching) lo.program.push_back("--no-enable-prefix-caching");
       if (!o->speculative_config.empty()) lo.program.insert(lo.program.end(), {"--speculative-config", o->speculative_config});
@@ -197,6 +231,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     comm::CommunicatorPtr tp = rt.world_size > 1 ? comm::Communicator::world() : nullptr;
     if (!rt.is_rank0()) {
       auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp, o->bf16_dot);
+      load_adapters(*model, lora);
       inference::Engine::follow(*model, eo, tp);
       return 0;
     }
@@ -209,6 +244,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                              .max_tokens(o->max_tokens)
                              .max_n(o->max_n)
                              .tool_parser(o->tool_parser)
+                             .lora_modules(lora)
                              .pooling(o->pooling)
                              .http_threads(o->http_threads)
                              .max_connections(o->max_connections)
@@ -221,6 +257,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     eo.tokenizer(data::tokenizer_of_model(o->checkpoint, loaded, o->tokenizer));
     const data::ChatFormatPtr chat = data::chat_format_of_model(o->checkpoint, loaded, *eo.tokenizer());
     auto model = std::make_shared<inference::InferenceModel>(loaded, fmt, tp, o->bf16_dot);
+    load_adapters(*model, lora);
     inference::Engine engine(model, eo, tp);
     server.set_chat_format(chat);
     server.set_engine(&engine);

@@ -113,6 +113,9 @@ struct Engine::Sequence {
   int64_t prompt_lp_count = 0;  // prompt logprobs produced (a preempted prompt recomputes: not twice)
   std::vector<GeneratedToken> new_tokens, prompt_lps;
   bool stopped = false;
+  int32_t adapter = 0;  // LoRA adapter (0: the base model)
+  // The prefix cache's root for the sequence: each adapter's KV entries are its own.
+  uint64_t cache_root() const { return adapter == 0 ? 0 : ~uint64_t{0} - static_cast<uint64_t>(adapter); }
   Sequence(const SamplingParams& p, int64_t eos) : params(p), sampler(p, eos), text(p.stop) {}
 };
 
@@ -164,9 +167,10 @@ Engine::~Engine() {
   }
 }
 
-std::optional<uint64_t> Engine::submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink) {
+std::optional<uint64_t> Engine::submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink,
+                                       int32_t adapter) {
   std::vector<Submission> one;
-  one.push_back({std::move(prompt), params, std::move(sink)});
+  one.push_back({std::move(prompt), params, std::move(sink), adapter});
   const auto ids = submit_all(std::move(one));
   if (!ids) return std::nullopt;
   return ids->front();
@@ -184,7 +188,10 @@ std::optional<std::vector<uint64_t>> Engine::submit_all(std::vector<Submission> 
              prompt.size(), " tokens) and max_tokens (", params.max_tokens, ") exceed the model's context of ", ctx,
              " tokens");
     for (int64_t t : prompt) TS_CHECK(t >= 0 && t < vocab, "prompt token ", t, " is outside the vocabulary [0, ", vocab, ")");
+    TS_CHECK(sub.adapter >= 0 && sub.adapter <= model_->num_adapters(), "LoRA adapter ", sub.adapter, " is not loaded (",
+             model_->num_adapters(), " are)");
     auto s = std::make_unique<Sequence>(params, eos_);
+    s->adapter = sub.adapter;
     if (params.grammar) {
       // Note [Structured output]: the vocabulary's trie, built by the first request that needs it.
       std::call_once(trie_once_, [&] { trie_ = std::make_shared<const TokenTrie>(*tokenizer_, vocab); });
@@ -283,6 +290,7 @@ bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
     c.start = s.computed;
     c.tokens.assign(s.tokens.begin() + s.computed, s.tokens.begin() + s.computed + n);
     c.blocks = s.blocks;
+    c.adapter = s.adapter;
     const bool last = s.computed + n == static_cast<int64_t>(s.tokens.size());
     c.all_logits = s.prompt_lp_pending;
     c.want_logits = last || c.all_logits;
@@ -339,7 +347,7 @@ bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
       // The longest cached run of whole blocks, leaving at least the last token to compute (its
       // logits give the next token). Prompt logprobs need every prompt token's logits: no lookup.
       const int64_t bs = cache_->block_size();
-      s.blocks = pool_.match(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, s.block_keys);
+      s.blocks = pool_.match(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, s.block_keys, s.cache_root());
       s.computed = static_cast<int64_t>(s.blocks.size()) * bs;
     }
     const int64_t n = std::min(static_cast<int64_t>(s.tokens.size()) - s.computed, budget);
@@ -570,7 +578,7 @@ bool Engine::step() {
       if (pool_.caching()) {  // blocks that became full: published for later sequences
         const int64_t bs = cache_->block_size();
         for (auto b = static_cast<int64_t>(s.block_keys.size()); (b + 1) * bs <= s.computed; ++b) {
-          s.block_keys.push_back(pool_.publish(b > 0 ? s.block_keys[static_cast<size_t>(b - 1)] : 0,
+          s.block_keys.push_back(pool_.publish(b > 0 ? s.block_keys[static_cast<size_t>(b - 1)] : s.cache_root(),
                                                s.tokens.data() + b * bs, s.blocks[static_cast<size_t>(b)]));
         }
       }

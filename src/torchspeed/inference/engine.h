@@ -121,7 +121,9 @@ class Engine {
 
   // Queues a request; returns its id, or nullopt when the queue is full. The prompt must fit
   // the context with max_tokens (checked here: TS_CHECK names the limit).
-  std::optional<uint64_t> submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink);
+  // `adapter`: the LoRA adapter the request runs with (InferenceModel::add_adapter's id; 0: none).
+  std::optional<uint64_t> submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink,
+                                 int32_t adapter = 0);
   // Several sequences that belong together (a request's prompts x n): every one is checked
   // first (TS_CHECK names the bad one), then all are queued or, when the queue lacks room for
   // all of them, none (nullopt). Ids in the order given.
@@ -129,6 +131,7 @@ class Engine {
     std::vector<int64_t> prompt;
     SamplingParams params;
     Sink sink;
+    int32_t adapter = 0;
   };
   std::optional<std::vector<uint64_t>> submit_all(std::vector<Submission> group);
   // Ends a request (a client that went away): its blocks are freed on the next iteration and

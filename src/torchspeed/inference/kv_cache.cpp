@@ -117,11 +117,13 @@ void BlockPool::release(std::vector<int32_t>& blocks) {
   blocks.clear();
 }
 
-std::vector<int32_t> BlockPool::match(const std::vector<int64_t>& tokens, int64_t max_blocks, std::vector<uint64_t>& keys) {
+std::vector<int32_t> BlockPool::match(const std::vector<int64_t>& tokens, int64_t max_blocks, std::vector<uint64_t>& keys,
+                                      uint64_t root) {
   std::vector<int32_t> out;
   keys.clear();
   if (!caching()) return out;
   Key key;
+  key.parent = root;
   const int64_t n = std::min<int64_t>(max_blocks, static_cast<int64_t>(tokens.size()) / block_size_);
   for (int64_t i = 0; i < n; ++i) {
     key.tokens.assign(tokens.begin() + i * block_size_, tokens.begin() + (i + 1) * block_size_);

@@ -41,8 +41,10 @@ class BlockPool {
   // Prefix caching. `caching()`: whether it is on.
   bool caching() const { return block_size_ > 0; }
   // The published blocks that hold tokens[0, n * block_size) for the largest n <= max_blocks,
-  // one reference taken on each; `keys` gets each block's prefix key (for publish). 
-  std::vector<int32_t> match(const std::vector<int64_t>& tokens, int64_t max_blocks, std::vector<uint64_t>& keys);
+  // one reference taken on each; `keys` gets each block's prefix key (for publish). `root`: the
+  // key the first block's prefix has (what publish was given as its parent; 0: none).
+  std::vector<int32_t> match(const std::vector<int64_t>& tokens, int64_t max_blocks, std::vector<uint64_t>& keys,
+                             uint64_t root = 0);
   // Publishes block `b` (referenced, full, never written again) as holding `tokens`
   // [0, block_size) after the prefix `parent` (0: the sequence's start; else a key publish or
   // match returned). Returns the key of the prefix that ends with this block; when that prefix

@@ -6,6 +6,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -23,7 +24,8 @@ std::vector<int64_t> StepPlan::serialize() const {
   std::vector<int64_t> f{static_cast<int64_t>(seqs.size())};
   for (const SeqChunk& s : seqs) {
     f.insert(f.end(), {s.start, static_cast<int64_t>(s.tokens.size()), static_cast<int64_t>(s.blocks.size()),
-                       (s.all_logits ? 1 : 0) | (s.want_logits ? 2 : 0) | (s.speculative ? 4 : 0)});
+                       (s.all_logits ? 1 : 0) | (s.want_logits ? 2 : 0) | (s.speculative ? 4 : 0) |
+                                                               (static_cast<int64_t>(s.adapter) << 3)});
     f.insert(f.end(), s.tokens.begin(), s.tokens.end());
     f.insert(f.end(), s.blocks.begin(), s.blocks.end());
   }
@@ -45,6 +47,7 @@ StepPlan StepPlan::deserialize(const std::vector<int64_t>& f) {
     c.all_logits = flags & 1;
     c.want_logits = flags & 2;
     c.speculative = flags & 4;
+    c.adapter = static_cast<int32_t>(flags >> 3);
     for (int64_t k = 0; k < nt; ++k) c.tokens.push_back(next());
     for (int64_t k = 0; k < nb; ++k) c.blocks.push_back(static_cast<int32_t>(next()));
     p.seqs.push_back(std::move(c));
@@ -212,14 +215,8 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
   auto split = [&](const at::Tensor& full, tensor_parallel::Split s) {
     return tp_ && full.defined() ? tensor_parallel::slice(full, s, tpr, tps).contiguous() : full;
   };
-  // The fused qkv rows [q | k | v]: this rank's query heads and their KV heads.
-  const int64_t Q = cfg_.q_width(), KVW = cfg_.kv_width(), local_kv = kv_heads_ * cfg_.hd();
-  auto split_qkv = [&](const at::Tensor& full) {
-    if (!tp_ || !full.defined()) return full;
-    const int64_t r = static_cast<int64_t>(tpr), n = static_cast<int64_t>(tps), kv0 = kv_first * cfg_.hd();
-    return at::cat({full.narrow(0, r * Q / n, Q / n), full.narrow(0, Q + kv0, local_kv), full.narrow(0, Q + KVW + kv0, local_kv)})
-        .contiguous();
-  };
+  kv_first_ = kv_first;
+  auto split_qkv = [&](const at::Tensor& full) { return split_qkv_rows(full); };
   auto maybe = [&](bool present, const std::string& name) { return present ? p.take(name) : at::Tensor(); };
   const bool ln = !cfg_.rms();
   const tensor_parallel::Split rows{0, 1}, cols{1, 1}, gate_up{0, 2};
@@ -261,6 +258,97 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
     const models::RopeTables t = models::rope_tables(cfg_, cfg_.seq_len);
     rope_cos_ = t.cos.contiguous();
     rope_sin_ = t.sin.contiguous();
+  }
+}
+
+// The fused qkv rows [q | k | v]: this rank's query heads and their KV heads.
+at::Tensor InferenceModel::split_qkv_rows(const at::Tensor& full) const {
+  if (!tp_ || !full.defined()) return full;
+  const int64_t Q = cfg_.q_width(), KVW = cfg_.kv_width(), local_kv = kv_heads_ * cfg_.hd();
+  const int64_t r = tp_->rank(), n = tp_->size(), kv0 = kv_first_ * cfg_.hd();
+  return at::cat({full.narrow(0, r * Q / n, Q / n), full.narrow(0, Q + kv0, local_kv), full.narrow(0, Q + KVW + kv0, local_kv)})
+      .contiguous();
+}
+
+int32_t InferenceModel::add_adapter(const checkpoint::peft::Adapter& a) {
+  using checkpoint::peft::Fused;
+  const std::vector<checkpoint::peft::Target> ts = checkpoint::peft::targets(cfg_);
+  TS_CHECK(static_cast<int64_t>(a.A.size()) == cfg_.n_layer, a.source, ": an adapter for ", a.A.size(),
+           " layers, the model has ", cfg_.n_layer);
+  TS_CHECK(lora_.size() < (1u << 20), "too many LoRA adapters");
+  const int tps = tp_ ? tp_->size() : 1, tpr = tp_ ? tp_->rank() : 0;
+  const tensor_parallel::Split rows{0, 1}, cols{1, 1}, gate_up{0, 2};
+  std::vector<std::array<LoraPair, checkpoint::peft::kFusedCount>> layers(static_cast<size_t>(cfg_.n_layer));
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    for (int f = 0; f < checkpoint::peft::kFusedCount; ++f) {
+      // The modules of fused linear f: their A rows stacked, their B blocks on the diagonal (each
+      // module's output rows x its own A rows), each B times its module's scale.
+      std::vector<at::Tensor> As;
+      int64_t R = 0, out = 0;
+      for (size_t t = 0; t < ts.size(); ++t) {
+        if (static_cast<int>(ts[t].fused) != f) continue;
+        out = std::max(out, ts[t].row0 + ts[t].rows);
+        const at::Tensor& A = a.A[static_cast<size_t>(l)][t];
+        if (!A.defined()) continue;
+        As.push_back(A);
+        R += A.size(0);
+      }
+      if (As.empty()) continue;
+      at::Tensor B = at::zeros({out, R}, at::kFloat);
+      int64_t col = 0;
+      for (size_t t = 0; t < ts.size(); ++t) {
+        const at::Tensor& A = a.A[static_cast<size_t>(l)][t];
+        if (static_cast<int>(ts[t].fused) != f || !A.defined()) continue;
+        const int64_t rm = A.size(0);
+        B.narrow(0, ts[t].row0, ts[t].rows).narrow(1, col, rm).copy_(a.B[static_cast<size_t>(l)][t] * a.scale(rm));
+        col += rm;
+      }
+      at::Tensor Acat = at::cat(As, 0);
+      // Column-parallel linears (qkv, fc) take B's rows of this rank's outputs; row-parallel ones
+      // (attn_proj, mlp_proj) A's columns of this rank's inputs: each rank's B A x is then its
+      // part of the update, summed by the all-reduce the linear's output already takes.
+      auto split = [&](const at::Tensor& full, tensor_parallel::Split s) {
+        return tp_ ? tensor_parallel::slice(full, s, tpr, tps).contiguous() : full;
+      };
+      switch (static_cast<Fused>(f)) {
+        case Fused::kQKV: B = split_qkv_rows(B); break;
+        case Fused::kFC: B = split(B, cfg_.swiglu() ? gate_up : rows); break;
+        case Fused::kProj:
+        case Fused::kMLP: Acat = split(Acat, cols); break;
+      }
+      LoraPair& p = layers[static_cast<size_t>(l)][static_cast<size_t>(f)];
+      p.A = ServingLinear(Acat, at::Tensor(), WeightFormat::kFP32);
+      p.B = ServingLinear(B, at::Tensor(), WeightFormat::kFP32);
+      p.present = true;
+    }
+  }
+  lora_.push_back(std::move(layers));
+  return static_cast<int32_t>(lora_.size());
+}
+
+// The rows of one forward that one adapter updates: their indices (ascending), how many of them
+// are row-kernel rows (those come first), and whether they are every row of the forward.
+struct InferenceModel::LoraGroup {
+  int32_t adapter = 0;
+  std::vector<int64_t> rows;
+  at::Tensor index;
+  int64_t kernel_rows = 0;
+  bool all = false;
+};
+
+void InferenceModel::lora_add(const std::vector<LoraGroup>& groups, int64_t layer, checkpoint::peft::Fused which,
+                              const at::Tensor& x, at::Tensor& out) const {
+  for (const LoraGroup& g : groups) {
+    const LoraPair& p = lora_[static_cast<size_t>(g.adapter - 1)][static_cast<size_t>(layer)][static_cast<size_t>(which)];
+    if (!p.present) continue;
+    // Each row through the linears' row kernel when it is a row-kernel row of the forward: its
+    // update then has the same bits whatever else is in the batch.
+    if (g.all) {
+      p.B.forward_add(p.A.forward(x.contiguous(), g.kernel_rows), g.kernel_rows, out);
+    } else {
+      const at::Tensor d = p.B.forward(p.A.forward(x.index_select(0, g.index), g.kernel_rows), g.kernel_rows);
+      out.index_add_(0, g.index, d);
+    }
   }
 }
 
@@ -387,6 +475,31 @@ at::Tensor InferenceModel::run(const StepPlan& plan, KVCache& cache, bool logits
     }
   }
   const int64_t N = static_cast<int64_t>(toks.size()), d = cfg_.d_model, dl = heads_ * hd_, kvl = kv_heads_ * hd_;
+  // LoRA: the rows of each adapter the plan's chunks name.
+  std::vector<LoraGroup> lora;
+  {
+    int64_t row = 0;
+    for (const SeqChunk& c : plan.seqs) {
+      const auto t = static_cast<int64_t>(c.tokens.size());
+      if (c.adapter != 0) {
+        TS_CHECK(c.adapter > 0 && c.adapter <= num_adapters(), "LoRA adapter ", c.adapter, " is not loaded (",
+                 num_adapters(), " are)");
+        auto it = std::find_if(lora.begin(), lora.end(), [&](const LoraGroup& g) { return g.adapter == c.adapter; });
+        if (it == lora.end()) it = lora.insert(lora.end(), LoraGroup{c.adapter, {}, {}, 0, false});
+        for (int64_t k = 0; k < t; ++k) {
+          it->rows.push_back(row + k);
+          if (row + k < decode_rows) ++it->kernel_rows;
+        }
+      }
+      row += t;
+    }
+    for (LoraGroup& g : lora) {
+      g.all = static_cast<int64_t>(g.rows.size()) == N;
+      g.index = at::tensor(g.rows, at::kLong);
+    }
+  }
+  using checkpoint::peft::Fused;
+  const bool lora_fc_act = !lora.empty() && !cfg_.swiglu();  // GELU after fc's update, not inside its kernel
   const at::Tensor tok_t = at::tensor(toks, at::kLong);
   at::Tensor x = tok_.index_select(0, tok_t);  // [N, d]
   if (pos_.defined()) x.add_(pos_.index_select(0, at::tensor(pos, at::kLong)));
@@ -399,31 +512,39 @@ at::Tensor InferenceModel::run(const StepPlan& plan, KVCache& cache, bool logits
     const Layer& L = layers_[static_cast<size_t>(l)];
     norm_rows(x, L.ln1_w, L.ln1_b, h);
     at::Tensor qkv = L.qkv.forward(h, decode_rows);  // [N, dl + 2 kvl]
+    if (!lora.empty()) lora_add(lora, l, Fused::kQKV, h, qkv);
     position_qk(qkv, pos, L);
     const at::Tensor q = qkv.narrow(1, 0, dl).view({N, heads_, hd_});  // rows dl + 2 kvl apart
     write_kv(qkv, dl, kvl, slots, cache, l);
     attention(plan, l, q, cache, ctx, y);
     if (tp_) {
       at::Tensor a = L.proj.forward(y.view({N, dl}), decode_rows, /*add_bias=*/false);
+      if (!lora.empty()) lora_add(lora, l, Fused::kProj, y.view({N, dl}), a);
       tp_->all_reduce(a);
       L.proj.add_bias(a);
       x.add_(a);
     } else {
       L.proj.forward_add(y.view({N, dl}), decode_rows, x);
+      if (!lora.empty()) lora_add(lora, l, Fused::kProj, y.view({N, dl}), x);
     }
     norm_rows(x, L.ln2_w, L.ln2_b, h);
-    at::Tensor f = L.fc.forward(h, decode_rows, /*add_bias=*/true, cfg_.swiglu() ? Activation::kNone : gelu_);
+    at::Tensor f = L.fc.forward(h, decode_rows, /*add_bias=*/true,
+                                cfg_.swiglu() || lora_fc_act ? Activation::kNone : gelu_);
+    if (!lora.empty()) lora_add(lora, l, Fused::kFC, h, f);
+    if (lora_fc_act) activate(f.data_ptr<float>(), N, f.size(1), 0, f.size(1), gelu_);  // the kernel's GELU: same bits
     if (cfg_.swiglu()) {  // [gate | up] -> silu(gate) * up
       const int64_t half = f.size(1) / 2;
       f = at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
     }
     if (tp_) {
       at::Tensor m = L.mlp.forward(f, decode_rows, /*add_bias=*/false);
+      if (!lora.empty()) lora_add(lora, l, Fused::kMLP, f, m);
       tp_->all_reduce(m);
       L.mlp.add_bias(m);
       x.add_(m);
     } else {
       L.mlp.forward_add(f, decode_rows, x);
+      if (!lora.empty()) lora_add(lora, l, Fused::kMLP, f, x);
     }
   }
   const at::Tensor last = x.index_select(0, at::tensor(logit_rows, at::kLong));

@@ -9,10 +9,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <memory>
 #include <vector>
 
 #include "torchspeed/checkpoint/consolidated.h"
+#include "torchspeed/checkpoint/peft.h"
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/inference/kv_cache.h"
 #include "torchspeed/inference/linear.h"
@@ -32,6 +34,7 @@ struct SeqChunk {
   // computed as a decode row (the row kernels, attention row by row over the positions up to
   // its own), so each gets the bits it would get decoded alone. Needs all_logits.
   bool speculative = false;
+  int32_t adapter = 0;  // the LoRA adapter the chunk runs with (InferenceModel::add_adapter's id; 0: none)
 };
 
 struct StepPlan {
@@ -69,6 +72,11 @@ class InferenceModel {
   // The same pass, returning the rows' final hidden states (after the final norm, before the LM
   // head: [rows, d]) instead of their logits (embeddings).
   at::Tensor hidden(const StepPlan& plan, KVCache& cache) { return run(plan, cache, false); }
+  // A LoRA adapter (Note [LoRA]) the forward applies to the chunks that name it, split over the
+  // tensor-parallel group as the linears it updates. Returns its id (1, 2, ...). Every TP rank
+  // adds the same adapters in the same order.
+  int32_t add_adapter(const checkpoint::peft::Adapter& adapter);
+  int32_t num_adapters() const { return static_cast<int32_t>(lora_.size()); }
   // Collective calls this rank made on its TP group per forward (0 without TP).
   int64_t collectives_per_forward() const { return tp_ ? 2 * cfg_.n_layer : 0; }
 
@@ -79,6 +87,16 @@ class InferenceModel {
     at::Tensor q_norm, k_norm;              // Qwen3's per-head RMSNorm weights [head_dim]
     ServingLinear qkv, proj, fc, mlp;
   };
+  // One adapter's update of one fused linear: delta = B (A x), the scale folded into B; A's
+  // input and B's output are this rank's part of the linear's.
+  struct LoraPair {
+    ServingLinear A, B;
+    bool present = false;
+  };
+  struct LoraGroup;  // rows of a forward that one adapter updates
+  void lora_add(const std::vector<LoraGroup>& groups, int64_t layer, checkpoint::peft::Fused which, const at::Tensor& x,
+                at::Tensor& out) const;
+  at::Tensor split_qkv_rows(const at::Tensor& full) const;
   void norm_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& out) const;
   // q/k norms and rotary positions of each row's query and key heads, in place in qkv.
   void position_qk(at::Tensor& qkv, const std::vector<int64_t>& pos, const Layer& L) const;
@@ -86,12 +104,13 @@ class InferenceModel {
                  const std::vector<at::Tensor>& ctx_slots, at::Tensor& out);
   models::GPTConfig cfg_;
   comm::CommunicatorPtr tp_;
-  int64_t heads_, kv_heads_, hd_;
+  int64_t heads_, kv_heads_, hd_, kv_first_ = 0;
   Activation gelu_ = Activation::kGelu;  // inside the fc kernel
   at::Tensor tok_, pos_, lnf_w_, lnf_b_;  // pos_: learned positions only
   at::Tensor rope_cos_, rope_sin_;        // [seq_len, head_dim / 2]: rotary positions only
   ServingLinear head_;
   std::vector<Layer> layers_;
+  std::vector<std::vector<std::array<LoraPair, checkpoint::peft::kFusedCount>>> lora_;  // [adapter - 1][layer][fused]
 };
 
 }  // namespace torchspeed::inference

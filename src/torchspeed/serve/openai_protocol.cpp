@@ -98,13 +98,19 @@ bool get_bool(const json& b, const char* k, bool def) {
   return b.at(k).get<bool>();
 }
 
-void check_model(const json& b, const ProtocolLimits& l) {
+// The adapter `model` names: 0 for the base model, i + 1 for LoRA adapter i; 404 for another name.
+int32_t check_model(const json& b, const ProtocolLimits& l) {
   if (!present(b, "model")) bad("model", "required");
   if (!b.at("model").is_string()) bad("model", "expected a string");
-  if (b.at("model").get<std::string>() != l.model_name) {
-    throw ApiError(404, "model \"" + b.at("model").get<std::string>() + "\" does not exist; this server serves \"" +
-                            l.model_name + "\"", "model", "invalid_request_error", "model_not_found");
+  const std::string& m = b.at("model").get_ref<const std::string&>();
+  if (m == l.model_name) return 0;
+  for (size_t i = 0; i < l.adapters.size(); ++i) {
+    if (m == l.adapters[i]) return static_cast<int32_t>(i + 1);
   }
+  std::string served = "\"" + l.model_name + "\"";
+  for (const std::string& a : l.adapters) served += ", \"" + a + "\"";
+  throw ApiError(404, "model \"" + m + "\" does not exist; this server serves " + served, "model", "invalid_request_error",
+                 "model_not_found");
 }
 
 // Fields neither OpenAI nor vLLM define, or that we do not implement, are refused as OpenAI
@@ -290,9 +296,11 @@ CompletionRequest parse_completion(const json& b, const ProtocolLimits& l, const
                    "stop_token_ids", "n", "best_of", "logprobs", "echo", "stream", "stream_options", "user",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "suffix",
                    "ignore_eos", "response_format", "structured_outputs"});
-  check_model(b, l);
+  const int32_t adapter = check_model(b, l);
   if (present(b, "suffix")) bad("suffix", "not supported");
   CompletionRequest r;
+  r.adapter = adapter;
+  r.model = b.at("model").get<std::string>();
   common_sampling(b, l, r, "max_tokens");
   detail::parse_structured(b, r, raw);
   // OpenAI's best_of: that many completions per prompt, the n with the highest log probability
@@ -481,7 +489,10 @@ void check_optional_model(const json& b, const ProtocolLimits& l) {
 
 EmbeddingRequest parse_embeddings(const json& b, const ProtocolLimits& l) {
   check_fields(b, {"model", "input", "encoding_format", "dimensions", "user", "add_special_tokens"});
-  check_model(b, l);
+  if (check_model(b, l) != 0) {
+    bad("model", "\"" + b.at("model").get<std::string>() + "\" is a LoRA adapter; embeddings are the base model's (\"" +
+                     l.model_name + "\")");
+  }
   EmbeddingRequest r;
   if (present(b, "encoding_format")) {
     const json& f = b.at("encoding_format");
@@ -611,8 +622,9 @@ CompletionRequest parse_chat(const json& b, const ProtocolLimits& l, const std::
                    "seed", "stop", "stop_token_ids", "n", "logprobs", "top_logprobs", "stream", "stream_options", "user",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                    "response_format", "structured_outputs", "ignore_eos", "tools", "tool_choice", "parallel_tool_calls"});
-  check_model(b, l);
   CompletionRequest r;
+  r.adapter = check_model(b, l);
+  r.model = b.at("model").get<std::string>();
   detail::parse_structured(b, r, raw);
   inference::GrammarPtr tool_grammar;
   r.tools = parse_tools(b, l.tool_parser, raw, &tool_grammar);
@@ -738,7 +750,7 @@ json completion_response(const std::string& id, int64_t created, const ProtocolL
   return {{"id", id},
           {"object", req.chat ? "chat.completion" : "text_completion"},
           {"created", created},
-          {"model", l.model_name},
+          {"model", req.model.empty() ? l.model_name : req.model},
           {"choices", out_choices},
           {"usage", usage_of(prompt_tokens, completion_tokens)}};
 }
@@ -771,7 +783,7 @@ json stream_chunk(const std::string& id, int64_t created, const ProtocolLimits& 
   return {{"id", id},
           {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
           {"created", created},
-          {"model", l.model_name},
+          {"model", req.model.empty() ? l.model_name : req.model},
           {"choices", json::array({choice})}};
 }
 
@@ -780,7 +792,7 @@ json usage_chunk(const std::string& id, int64_t created, const ProtocolLimits& l
   return {{"id", id},
           {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
           {"created", created},
-          {"model", l.model_name},
+          {"model", req.model.empty() ? l.model_name : req.model},
           {"choices", json::array()},
           {"usage", usage_of(prompt_tokens, completion_tokens)}};
 }

@@ -41,6 +41,9 @@ struct ProtocolLimits {
   data::ChatFormatPtr chat;
   int64_t hidden_size = 0;  // the model's d (embeddings' length)
   std::string tool_parser;  // --tool-call-parser: what tool_choice "auto" reads calls with (empty: refused)
+  // LoRA adapters served beside the base model (--lora-modules): a request's `model` names one;
+  // adapter i's id is i + 1 (InferenceModel::add_adapter).
+  std::vector<std::string> adapters;
 };
 
 // The value at `where` (object keys, or array indices as digits) with objects' keys in the order
@@ -65,6 +68,8 @@ struct CompletionRequest {
   bool stream = false, echo = false, include_usage = false;
   int64_t logprobs = -1;  // completions: top-N; chat: top_logprobs when logprobs is true
   ToolRequest tools;      // chat: tools and tool_choice (Note [Tool calls])
+  std::string model;      // as the request named it: the base model or a LoRA adapter (answers name it)
+  int32_t adapter = 0;    // the adapter's id; 0: the base model
 };
 
 // Throws ApiError (400 naming the field, 404 for an unknown model). raw: the body's text, from

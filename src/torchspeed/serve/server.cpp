@@ -135,6 +135,7 @@ struct Server::Impl {
   ProtocolLimits limits(inference::Engine& e) const {
     ProtocolLimits l;
     l.model_name = o.model_name();
+    for (const auto& m : o.lora_modules()) l.adapters.push_back(m.first);
     l.context_length = e.context_length();
     l.vocab = e.model().config().vocab;
     l.tokenizer = e.tokenizer();
@@ -237,7 +238,7 @@ struct Server::Impl {
       job.first[k] = false;
     };
     auto chunk = [&](json delta, const json& reason) {
-      return sse({{"id", job.id}, {"object", "chat.completion.chunk"}, {"created", job.created}, {"model", job.limits.model_name},
+      return sse({{"id", job.id}, {"object", "chat.completion.chunk"}, {"created", job.created}, {"model", r.model.empty() ? job.limits.model_name : r.model},
                   {"choices", json::array({{{"index", i}, {"delta", std::move(delta)}, {"logprobs", nullptr}, {"finish_reason", reason}}})}});
     };
     if (r.tools.choice == ToolChoice::kNamed) {
@@ -395,7 +396,7 @@ struct Server::Impl {
           if (job->stream) http->post([this, job] { flush_stream(job); });
           else http->post([this, job] { answer(job); });
         };
-        group.push_back({r->prompts[static_cast<size_t>(i / r->best_of)], p, sink});
+        group.push_back({r->prompts[static_cast<size_t>(i / r->best_of)], p, sink, r->adapter});
       }
       if (res.gone()) return;  // the client left while we parsed
       // A request's choices are queued together or not at all. (One by one, whether the last
@@ -485,11 +486,16 @@ struct Server::Impl {
       if (!authorized(req, res)) return;
       inference::Engine* e = engine.load();
       if (!e) return send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
-      res.respond(json_response(200,
-                {{"object", "list"},
-                 {"data", json::array({{{"id", o.model_name()}, {"object", "model"}, {"created", created},
-                                        {"owned_by", "torchspeed"}, {"root", o.model_name()}, {"parent", nullptr},
-                                        {"max_model_len", e->context_length()}}})}}));
+      // The base model, then each LoRA adapter with its folder as root and the base as parent (as
+      // vLLM lists them).
+      json data = json::array({{{"id", o.model_name()}, {"object", "model"}, {"created", created},
+                                {"owned_by", "torchspeed"}, {"root", o.model_name()}, {"parent", nullptr},
+                                {"max_model_len", e->context_length()}}});
+      for (const auto& [name, path] : o.lora_modules()) {
+        data.push_back({{"id", name}, {"object", "model"}, {"created", created}, {"owned_by", "torchspeed"}, {"root", path},
+                        {"parent", o.model_name()}, {"max_model_len", e->context_length()}});
+      }
+      res.respond(json_response(200, {{"object", "list"}, {"data", std::move(data)}}));
     }, Mode::kInline);
     // Embeddings: the engine's thread runs the forward between two steps (Engine::embed).
     http->route("POST", "/v1/embeddings", [this](http::Request& req, const http::Responder& res) {

@@ -11,11 +11,15 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/inference/engine.h"
 
 namespace torchspeed::serve {
+
+using LoraModules = std::vector<std::pair<std::string, std::string>>;  // (name, folder)
 
 struct ServerOptions {
   TORCH_ARG(std::string, host) = "127.0.0.1";
@@ -30,6 +34,9 @@ struct ServerOptions {
   TORCH_ARG(int, max_connections) = 1024;        // open at once; 503 past it
   TORCH_ARG(std::string, pooling) = "last";      // /v1/embeddings: last or mean (then L2-normalized)
   TORCH_ARG(std::string, tool_parser) = "";      // hermes or llama3_json: tool_choice "auto" (empty: refused)
+  // LoRA adapters the engine's model holds, (name, folder) in add_adapter's order: a request's
+  // `model` picks one; /v1/models lists them.
+  TORCH_ARG(LoraModules, lora_modules) = {};
 };
 
 class Server {

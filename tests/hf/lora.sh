@@ -1,0 +1,15 @@
+#!/bin/sh
+# LoRA adapters in PEFT's format against PEFT (issue 38): adapters that PEFT made on
+# transformers' Qwen2 and SmolLM2 shapes are served beside their base (--lora-modules), the base
+# and two adapters batched together, each with PEFT's log-probabilities and greedy tokens (tp 1
+# and tp 2); adapter settings we do not compute are refused by name. See lora_parity.py.
+# usage: lora.sh PYTHON TORCHSPEED
+set -eu
+py=$1 cli=$2
+here=$(cd "$(dirname "$0")" && pwd)
+rm -rf hf_lora && mkdir hf_lora && cd hf_lora
+"$py" "$here/lora_parity.py" make r
+"$py" "$here/lora_parity.py" serve r/smollm2 --cli "$cli"
+"$py" "$here/lora_parity.py" serve r/qwen2 --cli "$cli" --tp 2
+"$py" "$here/lora_parity.py" refuse r/smollm2 --cli "$cli"
+echo HF_LORA_PASSED
