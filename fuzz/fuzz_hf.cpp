@@ -6,8 +6,13 @@
 // config around them. A config that disagrees with the tensors must be refused with a
 // torchspeed::Error naming the problem, never reach a LibTorch error or read out of bounds; a
 // model that loads must have the shapes its config declares.
+// With the first byte's bit 2 set, the input is instead a LoRA adapter's adapter_config.json
+// (checkpoint/peft.cpp, `serve --lora-modules`) beside PEFT tensors for the same tiny Llama: a
+// config that is refused must be refused with an Error, and an adapter that loads must have its
+// modules' shapes.
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -15,6 +20,7 @@
 
 #include "fuzz_util.h"
 #include "torchspeed/checkpoint/hf_decoder.h"
+#include "torchspeed/checkpoint/peft.h"
 #include "torchspeed/checkpoint/safetensors.h"
 
 namespace torchspeed::comm {
@@ -41,9 +47,28 @@ ck::NamedTensors tiny_llama() {
           {"model.norm.weight", t({8})}};
 }
 
+torchspeed::models::GPTConfig tiny_llama_config() {
+  torchspeed::models::GPTConfig c;
+  c.vocab = 32, c.d_model = 8, c.n_layer = 1, c.n_head = 2, c.n_kv_head = 1, c.d_ff = 16;
+  c.norm = "rmsnorm", c.positions = "rope", c.activation = "swiglu";
+  c.qkv_bias = c.attn_out_bias = c.mlp_bias = false;
+  return c;
+}
+
 struct Folders {
-  std::string single, sharded;
+  std::string single, sharded, adapter;
   Folders() {
+    adapter = fuzz::scratch_dir() + "/adapter";
+    std::filesystem::create_directories(adapter);
+    // rank 2 on q_proj and down_proj, rank 3 on v_proj (a rank_pattern's shapes)
+    const std::string l = "base_model.model.model.layers.0.";
+    ck::save_safetensors(adapter + "/adapter_model.safetensors",
+                         {{l + "self_attn.q_proj.lora_A.weight", at::randn({2, 8})},
+                          {l + "self_attn.q_proj.lora_B.weight", at::randn({8, 2})},
+                          {l + "self_attn.v_proj.lora_A.weight", at::randn({3, 8})},
+                          {l + "self_attn.v_proj.lora_B.weight", at::randn({4, 3})},
+                          {l + "mlp.down_proj.lora_A.weight", at::randn({2, 16})},
+                          {l + "mlp.down_proj.lora_B.weight", at::randn({8, 2})}});
     single = fuzz::scratch_dir() + "/single";
     sharded = fuzz::scratch_dir() + "/sharded";
     std::filesystem::create_directories(single);
@@ -60,6 +85,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const bool sharded = data[0] & 1;
   const std::string rest(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] & 2) {
+    fuzz::write_file(folders.adapter + "/adapter_config.json", data + 1, size - 1);
+    const auto cfg = tiny_llama_config();
+    ck::peft::Adapter a;
+    if (!fuzz::run_expecting_errors(kTarget, [&] { a = ck::peft::load(folders.adapter, cfg); })) return 0;
+    const auto targets = ck::peft::targets(cfg);
+    for (size_t t = 0; t < targets.size(); ++t) {
+      const at::Tensor& A = a.A[0][t];
+      const at::Tensor& B = a.B[0][t];
+      if (A.defined() != B.defined()) fuzz::bug(kTarget, "an adapter module with only one of A and B loaded");
+      if (A.defined() && (A.size(1) != targets[t].in || B.size(0) != targets[t].rows || B.size(1) != A.size(0)))
+        fuzz::bug(kTarget, "adapter module " + targets[t].module + " loaded with shapes the model cannot use");
+      if (A.defined() && !std::isfinite(a.scale(A.size(0)))) fuzz::bug(kTarget, "a loaded adapter's scale is not finite");
+    }
+    return 0;
+  }
   const size_t nul = rest.find('\0');
   const std::string dir = sharded ? folders.sharded : folders.single;
   const std::string config = rest.substr(0, nul);

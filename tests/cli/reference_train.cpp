@@ -6,11 +6,16 @@
 // writes OUT/metrics.csv in the CLI's format (step, loss, val_loss, grad_norm) for
 // compare_losses.py.
 //
-// Usage: cli_reference_train CONFIG DP OUT [--set KEY=VALUE ...]
+// With --init-from MODEL, the weights start from that model (its config's model section must be
+// the config's); with a "lora" section, they are frozen and each block gets an adapter, as
+// `torchspeed train --init-from` does.
+//
+// Usage: cli_reference_train CONFIG DP OUT [--init-from MODEL] [--set KEY=VALUE ...]
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,7 +23,9 @@
 #include "reference.h"
 #include "torchspeed/data/text.h"
 #include "torchspeed/engine/engine.h"
+#include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/models/gpt.h"
+#include "torchspeed/models/lora.h"
 #include "torchspeed/monitor/metrics.h"
 #include "torchspeed/runtime/error.h"
 
@@ -69,7 +76,12 @@ int main(int argc, char** argv) {
     nlohmann::json j = ts::config::read_json_file(argv[1]);
     const int dp = std::stoi(argv[2]);
     const std::string out = argv[3];
+    std::string init_from;
     for (int i = 4; i < argc; ++i) {
+      if (std::string(argv[i]) == "--init-from" && i + 1 < argc) {
+        init_from = argv[++i];
+        continue;
+      }
       TS_CHECK(std::string(argv[i]) == "--set" && i + 1 < argc, "unexpected argument '", argv[i],
                "'");
       apply_override(j, argv[++i]);
@@ -104,7 +116,20 @@ int main(int argc, char** argv) {
     auto train = loaders_of(corpus.train, seed);
     // The engine's parameter groups: only their predicate, which names the parameters without
     // decay.
-    ts_test::ReferenceTrainer ref(ts::nn::build(ts::models::gpt_spec(gpt, seed)), cfg,
+    ts::models::InitTensors init;
+    if (!init_from.empty()) {
+      const ts::checkpoint::Model m = ts::checkpoint::load_model(init_from);
+      TS_CHECK(ts::models::GPTConfig::from_json(m.config.value("model", nlohmann::json::object())).to_json() == gpt.to_json(),
+               init_from, ": the model differs from the config's model section");
+      auto t = std::make_shared<std::map<std::string, at::Tensor>>();
+      for (const auto& [name, tensor] : m.params) (*t)[name] = tensor;
+      init = t;
+    }
+    std::shared_ptr<const ts::models::LoraOptions> lora;
+    if (cfg.sections.contains("lora")) {
+      lora = std::make_shared<const ts::models::LoraOptions>(ts::models::LoraOptions::from_json(cfg.sections.at("lora"), gpt));
+    }
+    ts_test::ReferenceTrainer ref(ts::nn::build(ts::models::gpt_spec(gpt, seed, nullptr, init, lora)), cfg,
                                   ts::no_weight_decay_group(no_decay_embeddings).match);
 
     std::filesystem::create_directories(out);

@@ -108,6 +108,7 @@ class ReferenceTrainer {
     std::vector<at::Tensor> decay, plain;
     for (const auto& item : model_->named_parameters()) {
       if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a tied tensor again
+      if (!item.value().requires_grad()) continue;  // frozen (a LoRA run's base)
       params_.push_back(item.value());
       (no_decay && no_decay(item.key(), item.value()) ? plain : decay).push_back(item.value());
     }

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "torchspeed/models/gpt.h"
+#include "torchspeed/models/lora.h"
 #include "torchspeed/runtime/error.h"
 
 using namespace torchspeed::models;
@@ -155,6 +156,53 @@ TEST(GPT, LlamaAndQwen3BlocksMatchAWrittenOutComputationWithGradients) {
           << "qk_norm " << qk_norm << " gradient " << i << ": " << (got_grads[i] - ref_grads[i]).abs().max().item<double>();
     }
   }
+}
+
+// LoRA: a fresh adapter (B = 0) leaves the block's output as it was; only the adapter's
+// parameters get gradients; a trained one equals the block whose weights have it merged.
+TEST(GPT, LoraStartsAtTheBaseTrainsOnlyTheAdapterAndMerges) {
+  torch::manual_seed(3);
+  const GPTConfig c = llama_small();
+  GPTBlock block(c, 0);
+  at::Tensor x = torch::randn({2, 7, c.d_model});
+  const at::Tensor base_out = block->forward(x).detach();
+  LoraOptions o = LoraOptions::from_json({{"r", 2}, {"lora_alpha", 6}, {"target_modules", {"k_proj", "up_proj", "down_proj", "o_proj"}}}, c);
+  EXPECT_DOUBLE_EQ(o.scale(), 3.0);
+  block->add_lora(c, o);
+  EXPECT_TRUE(at::equal(block->forward(x), base_out));
+  std::vector<std::string> trainable;
+  for (const auto& p : block->named_parameters()) {
+    if (p.value().requires_grad()) trainable.push_back(p.key());
+  }
+  EXPECT_EQ(trainable.size(), 8u);  // 4 modules x (A, B)
+  for (const auto& n : trainable) EXPECT_EQ(n.rfind("lora.", 0), 0u) << n;
+  {
+    torch::NoGradGuard g;
+    for (auto& m : block->lora->modules) m.B.normal_(0, 0.3);
+  }
+  const at::Tensor out = block->forward(x);
+  out.sum().backward();
+  for (const auto& p : block->named_parameters()) {
+    EXPECT_EQ(p.value().grad().defined(), p.value().requires_grad()) << p.key();
+  }
+  EXPECT_GT((out - base_out).abs().max().item<double>(), 1e-2);
+  // Merged: each module's scale * B A added to its rows of the fused weights.
+  std::vector<std::pair<std::string, at::Tensor>> params, lora;
+  for (const auto& p : block->named_parameters()) {
+    (p.key().rfind("lora.", 0) == 0 ? lora : params).emplace_back("block0." + p.key(), p.value());
+  }
+  GPTConfig one = c;
+  one.n_layer = 1;
+  const auto merged = merge_lora(params, lora_adapter_of(lora, one, o), one);
+  GPTBlock plain(c, 0);
+  {
+    torch::NoGradGuard g;
+    for (const auto& [name, t] : merged) plain->named_parameters()[name.substr(7)].copy_(t);
+  }
+  EXPECT_TRUE(at::allclose(plain->forward(x), out, 1e-5, 1e-5)) << (plain->forward(x) - out).abs().max().item<double>();
+  // A target the model does not have is refused by name.
+  EXPECT_THROW(LoraOptions::from_json({{"target_modules", {"c_attn"}}}, c), torchspeed::Error);
+  EXPECT_THROW(LoraOptions::from_json({{"rank", 4}}, c), torchspeed::Error);
 }
 
 TEST(GPT, TheDescriptionRoundTripsThroughJsonAndCountsParameters) {

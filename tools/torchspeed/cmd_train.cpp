@@ -28,6 +28,7 @@
 #include "torchspeed/data/text.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
+#include "torchspeed/models/lora.h"
 #include "torchspeed/monitor/metrics.h"
 #include "torchspeed/precision/advice.h"
 #include "torchspeed/runtime/cpu.h"
@@ -227,6 +228,15 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     DataSection ds = read_data(cfg.sections.value("data", nlohmann::json::object()));
     if (!o->data.empty()) ds.path = o->data;
     const TrainSection ts = read_train(cfg.sections.value("train", nlohmann::json::object()));
+    // LoRA (the config's "lora" section, PEFT's keys): the base from --init-from frozen, an
+    // adapter trained.
+    std::shared_ptr<const models::LoraOptions> lora;
+    if (cfg.sections.contains("lora")) {
+      lora = std::make_shared<const models::LoraOptions>(models::LoraOptions::from_json(cfg.sections.at("lora"), gpt));
+      TS_CHECK(init, o->config, ": lora: an adapter is trained on a base model; give it with --init-from");
+      TS_CHECK(cfg.pp == 1 && cfg.tp == 1, o->config, ": lora: runs with data parallelism and ZeRO (pipeline stages ", cfg.pp,
+               ", tensor parallelism ", cfg.tp, " are not supported with an adapter)");
+    }
     const data::TokenizerPtr tokenizer = data::load_tokenizer(ds.tokenizer);
     TS_CHECK(gpt.vocab >= tokenizer->vocab_size(), "model.vocab is ", gpt.vocab, " but the tokenizer (", tokenizer->source(), ") has ",
              tokenizer->vocab_size(), " tokens: raise model.vocab to at least that");
@@ -248,7 +258,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       for (const auto& [name, t] : init->params) (*m)[name] = t;
       init_tensors = m;
     }
-    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors), cfg,
+    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors, lora), cfg,
                              {no_weight_decay_group(ts.no_decay_embeddings)});
     engine->set_flops_per_sample(trained.flops_per_token() * static_cast<double>(seq));
     engine->set_progress_report(false);  // the progress line below, every train.log_interval steps
@@ -286,6 +296,13 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
                   ds.path.c_str(), corpus.files.size(), corpus.bytes / 1e6, tokenizer->source().c_str(),
                   corpus.train.size() / 1e6, corpus.val.size() / 1e6);
       if (init) std::printf("  initialized from %s\n", init->source.c_str());
+      if (lora) {
+        std::string targets;
+        for (const auto& t : lora->target_modules) targets += (targets.empty() ? "" : ",") + t;
+        std::printf("  LoRA: r %ld, alpha %g%s on %s: %.3fM trainable parameters, the base's %.2fM frozen\n",
+                    static_cast<long>(lora->r), lora->alpha, lora->rslora ? " (rsLoRA)" : "", targets.c_str(),
+                    static_cast<double>(engine->num_parameters()) / 1e6, gpt.num_params() / 1e6);
+      }
       std::printf("  bigram baseline (entropy of the next token given the previous one): %.4f nats\n", bigram);
       std::printf("  output: %s\n", o->out.c_str());
       std::fflush(stdout);
@@ -307,6 +324,13 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       if (rt.is_rank0()) {
         nlohmann::json saved = j;
         saved["model"] = gpt.to_json();
+        if (lora) {
+          // The adapter in PEFT's format (OUT/adapter: PeftModel.from_pretrained and `serve
+          // --lora-modules` read it), and the base with the adapter merged in (OUT/model).
+          const checkpoint::peft::Adapter adapter = models::lora_adapter_of(params, gpt, *lora);
+          checkpoint::peft::save(o->out + "/adapter", adapter, gpt, std::filesystem::absolute(o->init_from).string());
+          params = models::merge_lora(init->params, adapter, gpt);
+        }
         checkpoint::save_consolidated(o->out + "/model", params, saved, engine->global_step());
       }
     };
@@ -427,6 +451,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
                     static_cast<long>(step), monitor::format_duration(secs).c_str(), last_val, bigram,
                     last_val < bigram ? "below" : "NOT below");
       }
+      if (lora) std::printf("adapter (PEFT's format): %s/adapter; model: the base with it merged\n", o->out.c_str());
       std::printf("model: %s/model, checkpoint: %s/checkpoints (--resume continues), metrics: %s/metrics.csv, "
                   "plot: %s/loss.svg\n", o->out.c_str(), o->out.c_str(), o->out.c_str(), o->out.c_str());
     }

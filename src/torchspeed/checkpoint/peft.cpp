@@ -69,7 +69,7 @@ Adapter load(const std::string& dir, const models::GPTConfig& cfg) {
            "adapter_config.json and adapter_model.safetensors)");
   try {
     a.config = nlohmann::json::parse(read_file(cfg_path));
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse errors, and numbers past a double
     TS_CHECK(false, cfg_path, ": not JSON (", e.what(), ")");
   }
   const nlohmann::json& j = a.config;
@@ -90,9 +90,9 @@ Adapter load(const std::string& dir, const models::GPTConfig& cfg) {
   }
   // What changes the forward and is not computed here is refused by name; the rest of PEFT's keys
   // (dropout, initialisation, revision, task type...) concern training or bookkeeping only.
-  if (j.value("use_dora", false) == true) bad("use_dora", "is true: DoRA adapters are not supported");
+  if (j.contains("use_dora") && j["use_dora"] != false && !j["use_dora"].is_null()) bad("use_dora", "is " + j["use_dora"].dump() + ": DoRA adapters are not supported");
   if (j.contains("bias") && j["bias"] != "none") bad("bias", "is " + j["bias"].dump() + ": only \"none\" is supported (no LoRA biases)");
-  if (j.value("lora_bias", false) == true) bad("lora_bias", "is true: LoRA biases are not supported");
+  if (j.contains("lora_bias") && j["lora_bias"] != false && !j["lora_bias"].is_null()) bad("lora_bias", "is " + j["lora_bias"].dump() + ": LoRA biases are not supported");
   // LoRA variants and extras PEFT writes as keys of a LoRA config, each of which changes the
   // forward when set (null, false, {} and [] are PEFT's "off").
   for (const char* k : {"modules_to_save", "alpha_pattern", "layer_replication", "trainable_token_indices", "target_parameters",

@@ -31,7 +31,7 @@ const std::vector<std::string> kIgnoredFlags = {
     "gradient_accumulation_dtype", "use_data_before_expert_parallel_", "graph_harvesting",
     "steps_per_print_all_ranks", "cuda_visible_devices"};
 // Sections validated by the components that own them.
-const std::vector<std::string> kOwnedSections = {"model", "data", "train"};
+const std::vector<std::string> kOwnedSections = {"model", "data", "train", "lora"};
 
 void read_fp16(JsonReader& r, FP16Config& c) {
   c.enabled = r.get_bool("enabled", false);
@@ -664,7 +664,7 @@ void resolve_auto(nlohmann::json& j, const AutoValues& a, Diagnostics& diag) {
                                                  "csv_monitor", "wandb", "comet", "tensor_parallel", "compile",
                                                  "comms_logger"};
   for (const auto& k : top) {
-    if (k == "pipeline" || k == "model" || k == "data" || k == "train") continue;  // their readers say
+    if (k == "pipeline" || k == "model" || k == "data" || k == "train" || k == "lora") continue;  // their readers say
     if (j[k].is_object()) {
       rest(j[k], k, pydantic.count(k) > 0);
     } else if (is_auto(j, k)) {

@@ -78,6 +78,16 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   auto counted = [&](const std::string& name, const at::Tensor& p) {
     return !plan_.is_copy(name) && (tp_first || tensor_parallel::split_of(p));
   };
+  // Frozen parameters (a LoRA run's base) stay outside ZeRO, which takes the trainable ones only,
+  // so they get the precision's storage here as ZeRO's units give theirs: bf16, or fp32 holding
+  // fp16-rounded values.
+  if (precision_ != precision::Precision::kFP32) {
+    c10::NoGradGuard guard;
+    for (auto& p : root_->parameters(/*recurse=*/true)) {
+      if (p.requires_grad()) continue;
+      p.set_data(precision_ == precision::Precision::kBF16 ? p.detach().to(at::kBFloat16) : p.detach().to(at::kHalf).to(at::kFloat));
+    }
+  }
   zero_ = zero::make_zero_optimizer(zero::collect_params(*root_, stack_, counted, param_groups_), layers, groups_.dp,
                                     zo, zero::optimizer_spec_of(config_, param_groups_));
   layer_hooks_ = zero_->layer_hooks();

@@ -1,6 +1,7 @@
 // GPT layers and initialisation (GPT-2: N(0, 0.02) weights, residual projections scaled by
 // 1/sqrt(2 n_layer), zero biases, unit LayerNorm).
 #include "torchspeed/models/gpt.h"
+#include "torchspeed/models/lora.h"
 
 #include "torchspeed/nn/fused_ops.h"
 
@@ -398,14 +399,38 @@ at::Tensor mlp_activation(const at::Tensor& f, bool swiglu, const std::string& g
 }
 }  // namespace
 
+void GPTBlockImpl::add_lora(const GPTConfig& c, const LoraOptions& options) {
+  TS_CHECK(!lora, "block", index, " has a LoRA adapter already");
+  freeze(*this);
+  lora = register_module("lora", std::make_shared<LoraBlockImpl>(c, options));
+}
+
+namespace {
+// y plus the adapter's update of fused linear `which` for input x (y itself without one).
+at::Tensor with_lora(const std::shared_ptr<LoraBlockImpl>& lora, checkpoint::peft::Fused which, const at::Tensor& x,
+                     at::Tensor y) {
+  if (!lora) return y;
+  const at::Tensor d = lora->delta(which, x);
+  return d.defined() ? y + d.to(y.scalar_type()) : y;
+}
+}  // namespace
+
 at::Tensor GPTBlockImpl::attention(const at::Tensor& x) {
-  return linear(attn_proj, attn_proj_q,
-                attend(linear(qkv, qkv_q, x), n_head, n_kv_head, head_dim, q_norm, k_norm, rope, drop));
+  using checkpoint::peft::Fused;
+  const at::Tensor a = attend(with_lora(lora, Fused::kQKV, x, linear(qkv, qkv_q, x)), n_head, n_kv_head, head_dim, q_norm,
+                              k_norm, rope, drop);
+  return with_lora(lora, Fused::kProj, a, linear(attn_proj, attn_proj_q, a));
 }
 
 at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
   auto block = [this](const at::Tensor& in) {
+    using checkpoint::peft::Fused;
     at::Tensor h = in + drop(attention(ln1(in)));
+    if (lora) {
+      const at::Tensor n = ln2(h);
+      const at::Tensor m = mlp_activation(with_lora(lora, Fused::kFC, n, linear(fc, fc_q, n)), swiglu, gelu_approximate);
+      return h + drop(with_lora(lora, Fused::kMLP, m, linear(mlp_proj, mlp_proj_q, m)));
+    }
     return h + drop(linear(mlp_proj, mlp_proj_q, mlp_activation(linear(fc, fc_q, ln2(h)), swiglu, gelu_approximate)));
   };
   if (kept_tokens > 0 && is_training()) return nn::run_on_kept_tokens(x, kept_tokens, block);
@@ -552,18 +577,22 @@ void load_layer(torch::nn::Module& m, const std::string& layer, const InitTensor
 }
 }  // namespace
 
-nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr tp, InitTensors init) {
+nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr tp, InitTensors init,
+                       std::shared_ptr<const LoraOptions> lora) {
   nn::StackSpec spec;
   spec.seed = seed;
   const bool parallel = tp && tp->size() > 1;
+  TS_CHECK(!(lora && parallel), "LoRA fine-tuning runs without tensor parallelism (tp ", tp ? tp->size() : 1,
+           "): use data parallelism and ZeRO");
   const int64_t d = c.d_model;
   const int64_t block = c.block_params();
   // The tensor-parallel layers are built from the dense ones (a transient full layer), so every
   // rank slices the same weights the dense model has.
   nn::LayerSpec embed{"embed",
-                      [c, tp, parallel, init](const nn::TiedTensors&) {
+                      [c, tp, parallel, init, lora](const nn::TiedTensors&) {
                         GPTEmbedding dense(c);
                         load_layer(*dense, "embed", init);
+                        if (lora) freeze(*dense);
                         return parallel ? torch::nn::AnyModule(GPTEmbeddingTP(dense, tp)) : torch::nn::AnyModule(dense);
                       },
                       c.embed_params(), {}};
@@ -571,21 +600,23 @@ nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr 
   spec.layers.push_back(embed);
   for (int64_t i = 0; i < c.n_layer; ++i) {
     spec.layers.push_back({"block" + std::to_string(i),
-                           [c, tp, parallel, init, i](const nn::TiedTensors&) {
+                           [c, tp, parallel, init, i, lora](const nn::TiedTensors&) {
                              GPTBlock dense(c, i);
                              load_layer(*dense, "block" + std::to_string(i), init);
+                             if (lora) dense->add_lora(c, *lora);
                              return parallel ? torch::nn::AnyModule(GPTBlockTP(dense, tp)) : torch::nn::AnyModule(dense);
                            },
                            block, {}});
   }
   nn::LayerSpec head{"head",
-                     [c, tp, parallel, init](const nn::TiedTensors& tied) {
+                     [c, tp, parallel, init, lora](const nn::TiedTensors& tied) {
                        const auto it = tied.find("wte");
                        const at::Tensor t = c.tie_embeddings && it != tied.end() ? it->second : at::Tensor();
                        const std::string skip = c.tie_embeddings ? "weight" : "";
                        if (!parallel) {
                          GPTHead head(c, t);
                          load_layer(*head, "head", init, skip);
+                         if (lora) freeze(*head);
                          return torch::nn::AnyModule(head);
                        }
                        GPTHead dense(c, at::Tensor());

@@ -140,6 +140,9 @@ RopeTables rope_tables(const GPTConfig& c, int64_t positions);
 // x [B, H, T, hd] rotated by positions 0..T-1 (rotate-half convention), in x's dtype.
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& t);
 
+class LoraBlockImpl;  // models/lora.h
+struct LoraOptions;
+
 class GPTBlockImpl : public torch::nn::Module, public compression::Compressible, public nn::TokenDroppable {
  public:
   GPTBlockImpl(const GPTConfig& c, int64_t index = 0);
@@ -159,6 +162,10 @@ class GPTBlockImpl : public torch::nn::Module, public compression::Compressible,
   bool swiglu;
   RopeTables rope;  // undefined tensors with learned positions
   compression::SiteState qkv_q, attn_proj_q, fc_q, mlp_proj_q;
+  // LoRA (models/lora.h): freezes the block's own parameters and adds the adapter's, registered
+  // last as "lora"; its updates join the linears' outputs.
+  void add_lora(const GPTConfig& c, const LoraOptions& options);
+  std::shared_ptr<LoraBlockImpl> lora;
 };
 TORCH_MODULE(GPTBlock);
 
@@ -228,9 +235,11 @@ TORCH_MODULE(GPTHeadTP);
 // "block0.qkv.weight", ...; a tied head has no "head.weight") right after the dense layer is
 // built, before any slicing: how `torchspeed train --init-from` starts from a checkpoint. A
 // missing tensor or a shape mismatch is an error naming it.
+// With `lora`, every loaded weight is frozen and each block gets an adapter (LoRA fine-tuning;
+// not with tensor parallelism).
 using InitTensors = std::shared_ptr<const std::map<std::string, at::Tensor>>;
 nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed, comm::CommunicatorPtr tp = nullptr,
-                       InitTensors init = nullptr);
+                       InitTensors init = nullptr, std::shared_ptr<const LoraOptions> lora = nullptr);
 // Builds the whole stack, seeded from the seed last given to torch::manual_seed.
 nn::LayerStack make_gpt(const GPTConfig& config);
 
