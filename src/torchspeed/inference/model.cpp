@@ -110,6 +110,14 @@ void write_kv(const at::Tensor& qkv, int64_t ql, int64_t kvl, const std::vector<
   }
 }
 
+// bf16 bits as fp32.
+inline float widen_bf16(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // x[0..d) *= rsqrt(mean(x^2) + eps) * w, in place (Hugging Face's RMSNorm in fp32).
 void rms_norm_inplace(float* x, int64_t d, const float* w, float eps) {
   float ss = 0.0f;
@@ -270,6 +278,14 @@ at::Tensor InferenceModel::split_qkv_rows(const at::Tensor& full) const {
       .contiguous();
 }
 
+// Note [Serving LoRA]
+// A request's adapter adds B (A x) to each fused linear it targets (Note [LoRA]). Decode is
+// bound by the bytes of weights read per token, and an adapter of rank 16 on all seven linears
+// of SmolLM2 is 650 KB a layer in fp32: so each module keeps its own B (not a block-diagonal B
+// over the fused width, whose zeros were 2-3x those bytes), in bf16 beside compact base weights,
+// and the decode rows run one kernel per fused linear (lora_rows: per row, u = A x, then each
+// module's rows += B_t u_t, in a fixed order: a row's bits do not depend on the batch) instead
+// of a dozen ATen calls. Prompt rows (more than the row kernels take) use GEMMs.
 int32_t InferenceModel::add_adapter(const checkpoint::peft::Adapter& a) {
   using checkpoint::peft::Fused;
   const std::vector<checkpoint::peft::Target> ts = checkpoint::peft::targets(cfg_);
@@ -278,47 +294,77 @@ int32_t InferenceModel::add_adapter(const checkpoint::peft::Adapter& a) {
   TS_CHECK(lora_.size() < (1u << 20), "too many LoRA adapters");
   const int tps = tp_ ? tp_->size() : 1, tpr = tp_ ? tp_->rank() : 0;
   const tensor_parallel::Split rows{0, 1}, cols{1, 1}, gate_up{0, 2};
+  const at::ScalarType store = layers_.front().qkv.format() == WeightFormat::kFP32 ? at::kFloat : at::kBFloat16;
   std::vector<std::array<LoraPair, checkpoint::peft::kFusedCount>> layers(static_cast<size_t>(cfg_.n_layer));
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
     for (int f = 0; f < checkpoint::peft::kFusedCount; ++f) {
-      // The modules of fused linear f: their A rows stacked, their B blocks on the diagonal (each
-      // module's output rows x its own A rows), each B times its module's scale.
+      // The modules of fused linear f: their A rows stacked; which module each output row is
+      // (-1: none), split over the TP group as the linear's rows are, gives each module's rows
+      // on this rank.
       std::vector<at::Tensor> As;
-      int64_t R = 0, out = 0;
+      std::vector<size_t> mods;
+      int64_t out = 0;
       for (size_t t = 0; t < ts.size(); ++t) {
         if (static_cast<int>(ts[t].fused) != f) continue;
         out = std::max(out, ts[t].row0 + ts[t].rows);
-        const at::Tensor& A = a.A[static_cast<size_t>(l)][t];
-        if (!A.defined()) continue;
-        As.push_back(A);
-        R += A.size(0);
+        if (!a.A[static_cast<size_t>(l)][t].defined()) continue;
+        As.push_back(a.A[static_cast<size_t>(l)][t]);
+        mods.push_back(t);
       }
       if (As.empty()) continue;
-      at::Tensor B = at::zeros({out, R}, at::kFloat);
-      int64_t col = 0;
-      for (size_t t = 0; t < ts.size(); ++t) {
-        const at::Tensor& A = a.A[static_cast<size_t>(l)][t];
-        if (static_cast<int>(ts[t].fused) != f || !A.defined()) continue;
-        const int64_t rm = A.size(0);
-        B.narrow(0, ts[t].row0, ts[t].rows).narrow(1, col, rm).copy_(a.B[static_cast<size_t>(l)][t] * a.scale(rm));
-        col += rm;
-      }
-      at::Tensor Acat = at::cat(As, 0);
-      // Column-parallel linears (qkv, fc) take B's rows of this rank's outputs; row-parallel ones
-      // (attn_proj, mlp_proj) A's columns of this rank's inputs: each rank's B A x is then its
-      // part of the update, summed by the all-reduce the linear's output already takes.
+      at::Tensor owner = at::full({out, 1}, -1.0f);
+      for (size_t m = 0; m < mods.size(); ++m) owner.narrow(0, ts[mods[m]].row0, ts[mods[m]].rows).fill_(static_cast<float>(m));
+      at::Tensor A = at::cat(As, 0);
       auto split = [&](const at::Tensor& full, tensor_parallel::Split s) {
         return tp_ ? tensor_parallel::slice(full, s, tpr, tps).contiguous() : full;
       };
+      // Column-parallel linears (qkv, fc): this rank's output rows of each module. Row-parallel
+      // ones (attn_proj, mlp_proj): A's columns of this rank's inputs, so that each rank's B A x
+      // is its part of the update, summed by the all-reduce the linear's output takes anyway.
       switch (static_cast<Fused>(f)) {
-        case Fused::kQKV: B = split_qkv_rows(B); break;
-        case Fused::kFC: B = split(B, cfg_.swiglu() ? gate_up : rows); break;
+        case Fused::kQKV: owner = split_qkv_rows(owner); break;
+        case Fused::kFC: owner = split(owner, cfg_.swiglu() ? gate_up : rows); break;
         case Fused::kProj:
-        case Fused::kMLP: Acat = split(Acat, cols); break;
+        case Fused::kMLP: A = split(A, cols); break;
       }
       LoraPair& p = layers[static_cast<size_t>(l)][static_cast<size_t>(f)];
-      p.A = ServingLinear(Acat, at::Tensor(), WeightFormat::kFP32);
-      p.B = ServingLinear(B, at::Tensor(), WeightFormat::kFP32);
+      p.A = A.to(store).contiguous();
+      const auto own = owner.squeeze(1);
+      const float* ow = own.data_ptr<float>();
+      int64_t col = 0;
+      for (size_t m = 0; m < mods.size(); ++m) {
+        const size_t t = mods[m];
+        const at::Tensor& B = a.B[static_cast<size_t>(l)][t];
+        const int64_t rm = B.size(1);
+        // This rank's rows of module m: one run of the owner column.
+        int64_t lo = -1, hi = -1;
+        for (int64_t r = 0; r < own.size(0); ++r) {
+          if (static_cast<int64_t>(ow[r]) != static_cast<int64_t>(m)) continue;
+          if (lo < 0) lo = r;
+          TS_INTERNAL_ASSERT(hi < 0 || hi == r, "LoRA: module rows not contiguous after the TP split");
+          hi = r + 1;
+        }
+        if (lo >= 0) {
+          // Which of the module's rows those are (GPT-2's c_attn on a TP rank: some of q, k and
+          // v each): the split of the module's row indices.
+          at::Tensor idx = at::full({out, 1}, -1.0f);
+          idx.narrow(0, ts[t].row0, ts[t].rows).copy_(at::arange(ts[t].rows, at::kFloat).unsqueeze(1));
+          switch (static_cast<Fused>(f)) {
+            case Fused::kQKV: idx = split_qkv_rows(idx); break;
+            case Fused::kFC: idx = split(idx, cfg_.swiglu() ? gate_up : rows); break;
+            default: break;
+          }
+          const at::Tensor which_rows = idx.squeeze(1).narrow(0, lo, hi - lo).to(at::kLong);
+          LoraModule lm;
+          lm.lo = lo;
+          lm.rows = hi - lo;
+          lm.col = col;
+          lm.r = rm;
+          lm.Bt = (B.index_select(0, which_rows) * a.scale(rm)).t().contiguous().to(store).contiguous();
+          p.modules.push_back(std::move(lm));
+        }
+        col += rm;
+      }
       p.present = true;
     }
   }
@@ -327,27 +373,82 @@ int32_t InferenceModel::add_adapter(const checkpoint::peft::Adapter& a) {
 }
 
 // The rows of one forward that one adapter updates: their indices (ascending), how many of them
-// are row-kernel rows (those come first), and whether they are every row of the forward.
+// are row-kernel rows (those come first).
 struct InferenceModel::LoraGroup {
   int32_t adapter = 0;
   std::vector<int64_t> rows;
   at::Tensor index;
   int64_t kernel_rows = 0;
-  bool all = false;
 };
+
+namespace {
+// One row of the LoRA row kernel: u = A x (R dot products of length `in`), then each module's
+// rows of `o` += its B u, accumulated in d first: the same order whatever the batch. Compiled for
+// AVX512, AVX2 and the baseline, chosen at load time (the build's flags target the baseline).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void lora_row(
+    const float* xr, const void* A, bool bf16, int64_t R, int64_t in, float* u,
+    const std::vector<InferenceModel::LoraModuleView>& modules, std::vector<float>& d, float* o) {
+  for (int64_t j = 0; j < R; ++j) {
+    float s = 0.0f;
+    if (bf16) {
+      const uint16_t* a = static_cast<const uint16_t*>(A) + j * in;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < in; ++k) s += xr[k] * widen_bf16(a[k]);
+    } else {
+      const float* a = static_cast<const float*>(A) + j * in;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < in; ++k) s += xr[k] * a[k];
+    }
+    u[j] = s;
+  }
+  for (const auto& m : modules) {
+    d.assign(static_cast<size_t>(m.rows), 0.0f);
+    float* dp = d.data();
+    for (int64_t j = 0; j < m.r; ++j) {
+      const float uj = u[m.col + j];
+      if (bf16) {
+        const uint16_t* b = static_cast<const uint16_t*>(m.Bt.data_ptr()) + j * m.rows;
+#pragma omp simd
+        for (int64_t c = 0; c < m.rows; ++c) dp[c] += uj * widen_bf16(b[c]);
+      } else {
+        const float* b = static_cast<const float*>(m.Bt.data_ptr()) + j * m.rows;
+#pragma omp simd
+        for (int64_t c = 0; c < m.rows; ++c) dp[c] += uj * b[c];
+      }
+    }
+    float* oo = o + m.lo;
+#pragma omp simd
+    for (int64_t c = 0; c < m.rows; ++c) oo[c] += dp[c];
+  }
+}
+}  // namespace
 
 void InferenceModel::lora_add(const std::vector<LoraGroup>& groups, int64_t layer, checkpoint::peft::Fused which,
                               const at::Tensor& x, at::Tensor& out) const {
   for (const LoraGroup& g : groups) {
     const LoraPair& p = lora_[static_cast<size_t>(g.adapter - 1)][static_cast<size_t>(layer)][static_cast<size_t>(which)];
     if (!p.present) continue;
-    // Each row through the linears' row kernel when it is a row-kernel row of the forward: its
-    // update then has the same bits whatever else is in the batch.
-    if (g.all) {
-      p.B.forward_add(p.A.forward(x.contiguous(), g.kernel_rows), g.kernel_rows, out);
-    } else {
-      const at::Tensor d = p.B.forward(p.A.forward(x.index_select(0, g.index), g.kernel_rows), g.kernel_rows);
-      out.index_add_(0, g.index, d);
+    TS_INTERNAL_ASSERT(x.is_contiguous() && out.is_contiguous(), "LoRA: inputs not contiguous");
+    const int64_t R = p.A.size(0), in = p.A.size(1), ldo = out.size(1);
+    if (g.kernel_rows > 0) {  // decode rows: the row kernel
+      const float* xp = x.data_ptr<float>();
+      float* op = out.data_ptr<float>();
+      const int64_t* rows = g.rows.data();
+      const bool bf16 = p.A.scalar_type() == at::kBFloat16;
+      at::parallel_for(0, g.kernel_rows, 2, [&](int64_t r0, int64_t r1) {
+        std::vector<float> u(static_cast<size_t>(R)), d;
+        for (int64_t i = r0; i < r1; ++i) {
+          lora_row(xp + rows[i] * x.size(1), p.A.data_ptr(), bf16, R, in, u.data(), p.modules, d, op + rows[i] * ldo);
+        }
+      });
+    }
+    const auto rest = static_cast<int64_t>(g.rows.size()) - g.kernel_rows;
+    if (rest > 0) {  // prompt rows: GEMMs over the group's rows
+      const at::Tensor idx = g.index.narrow(0, g.kernel_rows, rest);
+      const at::Tensor u = x.index_select(0, idx).mm(p.A.to(at::kFloat).t());
+      for (const LoraModule& m : p.modules) {
+        out.narrow(1, m.lo, m.rows).index_add_(0, idx, u.narrow(1, m.col, m.r).mm(m.Bt.to(at::kFloat)));
+      }
     }
   }
 }
@@ -485,7 +586,7 @@ at::Tensor InferenceModel::run(const StepPlan& plan, KVCache& cache, bool logits
         TS_CHECK(c.adapter > 0 && c.adapter <= num_adapters(), "LoRA adapter ", c.adapter, " is not loaded (",
                  num_adapters(), " are)");
         auto it = std::find_if(lora.begin(), lora.end(), [&](const LoraGroup& g) { return g.adapter == c.adapter; });
-        if (it == lora.end()) it = lora.insert(lora.end(), LoraGroup{c.adapter, {}, {}, 0, false});
+        if (it == lora.end()) it = lora.insert(lora.end(), LoraGroup{c.adapter, {}, {}, 0});
         for (int64_t k = 0; k < t; ++k) {
           it->rows.push_back(row + k);
           if (row + k < decode_rows) ++it->kernel_rows;
@@ -493,10 +594,7 @@ at::Tensor InferenceModel::run(const StepPlan& plan, KVCache& cache, bool logits
       }
       row += t;
     }
-    for (LoraGroup& g : lora) {
-      g.all = static_cast<int64_t>(g.rows.size()) == N;
-      g.index = at::tensor(g.rows, at::kLong);
-    }
+    for (LoraGroup& g : lora) g.index = at::tensor(g.rows, at::kLong);
   }
   using checkpoint::peft::Fused;
   const bool lora_fc_act = !lora.empty() && !cfg_.swiglu();  // GELU after fc's update, not inside its kernel

@@ -87,10 +87,22 @@ class InferenceModel {
     at::Tensor q_norm, k_norm;              // Qwen3's per-head RMSNorm weights [head_dim]
     ServingLinear qkv, proj, fc, mlp;
   };
-  // One adapter's update of one fused linear: delta = B (A x), the scale folded into B; A's
-  // input and B's output are this rank's part of the linear's.
+  // One adapter's update of one fused linear (Note [Serving LoRA]): u = A x for the stacked A
+  // of its modules, then each module's rows of the output += B_t u_t, the scale folded into B.
+  // A's input and the modules' rows are this rank's part of the linear's. Stored in fp32 beside
+  // fp32 weights, else in bf16 (the row kernel's copy; the GEMM path widens them).
+  struct LoraModule {
+    int64_t lo = 0, rows = 0, col = 0, r = 0;  // output rows [lo, lo + rows), u's columns [col, col + r)
+    at::Tensor Bt;                              // [r, rows] (B transposed), fp32 or bf16
+  };
+
+ public:
+  using LoraModuleView = LoraModule;  // for the row kernel in model.cpp
+
+ private:
   struct LoraPair {
-    ServingLinear A, B;
+    at::Tensor A;  // [R, in], fp32 or bf16
+    std::vector<LoraModule> modules;
     bool present = false;
   };
   struct LoraGroup;  // rows of a forward that one adapter updates
