@@ -156,7 +156,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                   "Hermes) or llama3_json (Llama 3.1's JSON); without it \"auto\" is refused")
       ->check(CLI::IsMember({"hermes", "llama3_json"}));
   cmd->add_flag("--enable-auto-tool-choice", o->auto_tool_choice, "vLLM's flag, accepted: needs --tool-call-parser");
-  cmd->add_option("--lora-modules", o->lora_modules,
+  cmd->add_option("--lora-modules,--lora", o->lora_modules,
                   "LoRA adapters served beside the base model, NAME=DIR each (PEFT's folder: adapter_config.json and "
                   "adapter_model.safetensors); a request's \"model\" picks one, and requests of different adapters are batched together");
   cmd->add_flag("--enable-lora", o->enable_lora, "vLLM's flag, accepted: the adapters --lora-modules names are served");

@@ -260,7 +260,14 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
     auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors, lora), cfg,
                              {no_weight_decay_group(ts.no_decay_embeddings)});
-    engine->set_flops_per_sample(trained.flops_per_token() * static_cast<double>(seq));
+    // FLOPs per token: 6 N + attention; with LoRA the frozen base takes no weight gradients (its
+    // 2 N of them), the adapter's parameters all 6.
+    auto flops_per_token = [&](const models::GPTConfig& c) {
+      double f = c.flops_per_token();
+      if (lora) f += -2.0 * static_cast<double>(c.num_params()) + 6.0 * static_cast<double>(engine->num_parameters());
+      return f;
+    };
+    engine->set_flops_per_sample(flops_per_token(trained) * static_cast<double>(seq));
     engine->set_progress_report(false);  // the progress line below, every train.log_interval steps
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
@@ -388,7 +395,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       const auto now = std::chrono::steady_clock::now();
       const double window_s = std::chrono::duration<double>(now - window_start).count();
       m.tokens_per_s = tokens_per_step * window_steps / std::max(window_s, 1e-9);
-      m.mfu = gpt.flops_per_token() * m.tokens_per_s / peak;
+      m.mfu = flops_per_token(gpt) * m.tokens_per_s / peak;
       evaluated_last = step % ts.eval_interval == 0 || step == ts.steps;
       if (evaluated_last) {
         m.val_loss = evaluate();
