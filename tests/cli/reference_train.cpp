@@ -131,6 +131,7 @@ int main(int argc, char** argv) {
     }
     ts_test::ReferenceTrainer ref(ts::nn::build(ts::models::gpt_spec(gpt, seed, nullptr, init, lora)), cfg,
                                   ts::no_weight_decay_group(no_decay_embeddings).match);
+    if (gpt.moe.enabled()) ref.set_pieces(dp);  // expert capacity and the balancing loss are per rank
 
     std::filesystem::create_directories(out);
     ts::monitor::MetricsCsv csv(out + "/metrics.csv");

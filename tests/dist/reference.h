@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchspeed/nn/aux_loss.h"
 #include "torchspeed/config/config.h"
 #include "torchspeed/nn/layer_stack.h"
 #include "torchspeed/optim/lr_schedule.h"
@@ -159,12 +160,21 @@ class ReferenceTrainer {
       opt_->zero_grad();
     }
     double sum = 0.0;
-    const double n = static_cast<double>(micro_batches.size());
-    for (const auto& [x, y] : micro_batches) {
-      at::Tensor loss = model_->loss(model_->forward(x), y);
-      sum += loss.item<double>();
-      (loss / n).backward();
+    const double n = static_cast<double>(micro_batches.size() * pieces_);
+    // Auxiliary losses (an MoE model's load balancing) are added to the loss here, spelled out,
+    // rather than attached to the layers' outputs as the engine does (nn/aux_loss.h).
+    torchspeed::nn::AuxLoss::collect(true);
+    for (const auto& [xs, ys] : micro_batches) {
+      const auto x_pieces = xs.chunk(pieces_), y_pieces = ys.chunk(pieces_);
+      for (size_t i = 0; i < x_pieces.size(); ++i) {
+        at::Tensor loss = model_->loss(model_->forward(x_pieces[i]), y_pieces[i]);
+        sum += loss.item<double>();
+        at::Tensor total = loss;
+        for (const at::Tensor& a : torchspeed::nn::AuxLoss::take_collected()) total = total + a;
+        (total / n).backward();
+      }
     }
+    torchspeed::nn::AuxLoss::collect(false);
     // The norm before clipping; a non-positive gradient_clipping clips nothing.
     last_norm_ = torch::nn::utils::clip_grad_norm_(params_, clip_ > 0.0 ? clip_ : 1e30);
     if (lamb_) {
@@ -182,11 +192,18 @@ class ReferenceTrainer {
     torch::NoGradGuard no_grad;
     model_->eval();
     double sum = 0.0;
-    for (const auto& [x, y] : micro_batches)
-      sum += model_->loss(model_->forward(x), y).item<double>();
+    for (const auto& [xs, ys] : micro_batches) {
+      const auto x_pieces = xs.chunk(pieces_), y_pieces = ys.chunk(pieces_);
+      for (size_t i = 0; i < x_pieces.size(); ++i) sum += model_->loss(model_->forward(x_pieces[i]), y_pieces[i]).item<double>();
+    }
     model_->train();
-    return sum / static_cast<double>(micro_batches.size());
+    return sum / static_cast<double>(micro_batches.size() * pieces_);
   }
+
+  // Each micro-batch runs as `n` equal pieces along the batch (the data-parallel ranks' own
+  // micro-batches), the loss their mean: for layers whose result depends on the batch it sees
+  // (an MoE layer's expert capacity and load-balancing loss), as the ranks compute it.
+  void set_pieces(int64_t n) { pieces_ = n; }
 
   // Global L2 norm of the last step's gradients, before clipping.
   double last_grad_norm() const { return last_norm_; }
@@ -219,6 +236,7 @@ class ReferenceTrainer {
   std::vector<at::Tensor> params_;  // distinct, in named_parameters() order
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::unique_ptr<ReferenceLamb> lamb_;
+  int64_t pieces_ = 1;
   double last_norm_ = 0.0;
 };
 

@@ -303,6 +303,15 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
                   ds.path.c_str(), corpus.files.size(), corpus.bytes / 1e6, tokenizer->source().c_str(),
                   corpus.train.size() / 1e6, corpus.val.size() / 1e6);
       if (init) std::printf("  initialized from %s\n", init->source.c_str());
+      if (gpt.moe.enabled()) {
+        const models::MoEConfig m = gpt.experts();
+        const std::string drop = m.drop_tokens ? concat("capacity factor ", m.capacity_factor, " (tokens past it dropped)")
+                                               : std::string("dropless");
+        std::printf("  mixture of experts: %ld experts of d_ff %ld per block, %ld per token, %s, load-balancing loss x %g: "
+                    "%.2fM parameters active per token\n",
+                    static_cast<long>(m.num_experts), static_cast<long>(m.d_ff), static_cast<long>(m.k), drop.c_str(),
+                    m.aux_loss_coef, gpt.active_params() / 1e6);
+      }
       if (lora) {
         std::string targets;
         for (const auto& t : lora->target_modules) targets += (targets.empty() ? "" : ",") + t;

@@ -1,5 +1,6 @@
 // Engine wiring: components built from the config, DeepSpeed's verbs and step semantics.
 #include "torchspeed/engine/engine.h"
+#include "torchspeed/nn/aux_loss.h"
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
@@ -183,6 +184,7 @@ void Engine::backward(const at::Tensor& loss) {
   zero_->begin_backward(is_gradient_accumulation_boundary());
   const double factor = scaler_.scale() / static_cast<double>(config_.gradient_accumulation_steps);
   at::Tensor scaled = loss.to(at::kFloat) * factor;
+  nn::AuxLoss::set_backward_scale(factor);  // the layers' attached auxiliary losses (MoE)
   if (monitor_) window_loss_ += loss.item<double>();
   scaled.backward();
   zero_->finish_backward();

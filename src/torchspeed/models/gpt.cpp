@@ -53,6 +53,7 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& j, const std::string& path)
   c.attn_out_bias = r.get_bool("attn_out_bias", c.attn_out_bias);
   c.mlp_bias = r.get_bool("mlp_bias", c.mlp_bias);
   c.qk_norm = r.get_bool("qk_norm", c.qk_norm);
+  if (j.is_object() && j.contains("moe")) c.moe = MoEConfig::from_json(j.at("moe"), path + ".moe", diag);
   if (j.is_object() && j.contains("rope_scaling")) {
     const std::string sp = path + ".rope_scaling";
     config::JsonReader s(j.at("rope_scaling"), sp, diag);
@@ -90,6 +91,8 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& j, const std::string& path)
   }
   r.accept("type");
   r.accept("family");
+  r.accept("rope_scaling");  // read above
+  r.accept("moe");
   r.finish();
   if (c.head_dim == 0 && c.d_model % c.n_head != 0) {
     diag.errors.push_back(concat(path, ".n_head: d_model ", c.d_model, " is not divisible by n_head ", c.n_head,
@@ -97,6 +100,12 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& j, const std::string& path)
   }
   if (c.n_head % c.kv_heads() != 0) {
     diag.errors.push_back(concat(path, ".n_kv_head: n_head ", c.n_head, " is not a multiple of n_kv_head ", c.kv_heads()));
+  }
+  if (c.moe.enabled() && !c.swiglu()) {
+    diag.errors.push_back(concat(path, ".moe: the experts are SwiGLU MLPs; set ", path, ".activation to \"swiglu\""));
+  }
+  if (c.moe.enabled() && c.mlp_bias) {
+    diag.errors.push_back(concat(path, ".mlp_bias: the experts have no biases; set false with ", path, ".moe"));
   }
   if (c.rope() && c.hd() % 2 != 0) {
     diag.errors.push_back(concat(path, ".head_dim: rotary positions need an even head width, got ", c.hd()));
@@ -129,6 +138,7 @@ nlohmann::json GPTConfig::to_json() const {
   if (attn_out_bias != d.attn_out_bias) j["attn_out_bias"] = attn_out_bias;
   if (mlp_bias != d.mlp_bias) j["mlp_bias"] = mlp_bias;
   if (qk_norm != d.qk_norm) j["qk_norm"] = qk_norm;
+  if (moe.enabled()) j["moe"] = moe.to_json();
   return j;
 }
 
@@ -137,8 +147,14 @@ int64_t GPTConfig::block_params() const {
   const int64_t norms = 2 * (rms() ? d : 2 * d) + (qk_norm ? 2 * hd() : 0);
   const int64_t attn = d * qkv + (qkv_bias ? qkv : 0) + q_width() * d + (attn_out_bias ? d : 0);
   const int64_t up = swiglu() ? 2 * f : f;
-  const int64_t mlp = d * up + f * d + (mlp_bias ? up + d : 0);
+  const int64_t mlp = moe.enabled() ? experts().params(d) : d * up + f * d + (mlp_bias ? up + d : 0);
   return norms + attn + mlp;
+}
+
+int64_t GPTConfig::active_params() const {
+  if (!moe.enabled()) return num_params();
+  const MoEConfig m = experts();
+  return num_params() - n_layer * (m.params(d_model) - m.active_params(d_model));
 }
 
 int64_t GPTConfig::embed_params() const { return vocab * d_model + (rope() ? 0 : seq_len * d_model); }
@@ -148,7 +164,7 @@ int64_t GPTConfig::head_params() const { return (rms() ? d_model : 2 * d_model) 
 int64_t GPTConfig::num_params() const { return embed_params() + n_layer * block_params() + head_params(); }
 
 double GPTConfig::flops_per_token() const {
-  return 6.0 * static_cast<double>(num_params()) + 12.0 * n_layer * q_width() * seq_len;
+  return 6.0 * static_cast<double>(active_params()) + 12.0 * n_layer * q_width() * seq_len;
 }
 
 NormImpl::NormImpl(int64_t dim_, double eps_, bool rms_) : dim(dim_), eps(eps_), rms(rms_) {
@@ -344,14 +360,19 @@ GPTBlockImpl::GPTBlockImpl(const GPTConfig& c, int64_t index_)
   }
   attn_proj = register_module("attn_proj", torch::nn::Linear(LO(c.q_width(), d).bias(c.attn_out_bias)));
   ln2 = register_module("ln2", Norm(d, c.layer_norm_eps, c.rms()));
-  fc = register_module("fc", torch::nn::Linear(LO(d, swiglu ? 2 * f : f).bias(c.mlp_bias)));
-  mlp_proj = register_module("mlp_proj", torch::nn::Linear(LO(f, d).bias(c.mlp_bias)));
-  drop = register_module("drop", torch::nn::Dropout(c.dropout));
   const double residual_std = 0.02 / std::sqrt(2.0 * c.n_layer);
+  if (!c.moe.enabled()) {
+    fc = register_module("fc", torch::nn::Linear(LO(d, swiglu ? 2 * f : f).bias(c.mlp_bias)));
+    mlp_proj = register_module("mlp_proj", torch::nn::Linear(LO(f, d).bias(c.mlp_bias)));
+  }
+  drop = register_module("drop", torch::nn::Dropout(c.dropout));
+  // The draws in GPT-2's order (qkv, fc, attn_proj, mlp_proj), then the experts': a seed gives
+  // the dense models it always gave.
   init_linear(qkv, 0.02);
-  init_linear(fc, 0.02);
+  if (fc) init_linear(fc, 0.02);
   init_linear(attn_proj, residual_std);
-  init_linear(mlp_proj, residual_std);
+  if (mlp_proj) init_linear(mlp_proj, residual_std);
+  if (c.moe.enabled()) moe = register_module("moe", MoE(c.experts(), d, residual_std, c.n_layer));
   if (c.rope()) rope = rope_tables(c, c.seq_len);
 }
 
@@ -401,6 +422,7 @@ at::Tensor mlp_activation(const at::Tensor& f, bool swiglu, const std::string& g
 
 void GPTBlockImpl::add_lora(const GPTConfig& c, const LoraOptions& options) {
   TS_CHECK(!lora, "block", index, " has a LoRA adapter already");
+  TS_CHECK(!moe, "LoRA fine-tuning of Mixture-of-Experts models is not implemented (block", index, " has experts)");
   freeze(*this);
   lora = register_module("lora", std::make_shared<LoraBlockImpl>(c, options));
 }
@@ -426,6 +448,7 @@ at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
   auto block = [this](const at::Tensor& in) {
     using checkpoint::peft::Fused;
     at::Tensor h = in + drop(attention(ln1(in)));
+    if (moe) return h + drop(moe(ln2(h)));
     if (lora) {
       const at::Tensor n = ln2(h);
       const at::Tensor m = mlp_activation(with_lora(lora, Fused::kFC, n, linear(fc, fc_q, n)), swiglu, gelu_approximate);
@@ -441,6 +464,12 @@ std::vector<compression::Site> GPTBlockImpl::compression_sites() {
   using K = compression::Site::Kind;
   const std::string h = "transformer.h." + std::to_string(index) + ".";
   const std::string l = "model.layers." + std::to_string(index) + ".";
+  if (moe) {  // the experts are not compressible: the attention's linears only
+    return {{"qkv", {h + "attn.c_attn", l + "self_attn.qkv_proj"}, K::kLinear, qkv->options.out_features(), &qkv_q,
+             {l + "self_attn.q_proj", l + "self_attn.k_proj", l + "self_attn.v_proj"}},
+            {"attn_proj", {h + "attn.c_proj", l + "self_attn.o_proj"}, K::kLinear, attn_proj->options.out_features(),
+             &attn_proj_q, {}}};
+  }
   return {{"qkv", {h + "attn.c_attn", l + "self_attn.qkv_proj"}, K::kLinear, qkv->options.out_features(), &qkv_q,
            {l + "self_attn.q_proj", l + "self_attn.k_proj", l + "self_attn.v_proj"}},
           {"attn_proj", {h + "attn.c_proj", l + "self_attn.o_proj"}, K::kLinear, attn_proj->options.out_features(), &attn_proj_q, {}},
@@ -486,6 +515,8 @@ at::Tensor GPTEmbeddingTPImpl::forward(const at::Tensor& tokens) {
 
 GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPtr& tp)
     : head_dim(dense->head_dim), gelu_approximate(dense->gelu_approximate), swiglu(dense->swiglu), rope(dense->rope) {
+  TS_CHECK(!dense->moe, "tensor parallelism of Mixture-of-Experts blocks is not implemented (tensor_parallel.tp_size ",
+           tp->size(), "): use data parallelism and ZeRO");
   TS_CHECK(dense->n_head % tp->size() == 0, "model.n_head ", dense->n_head, " does not divide by tensor_parallel.tp_size ",
            tp->size());
   // Grouped-query attention: each rank takes whole KV heads with their query groups; with fewer

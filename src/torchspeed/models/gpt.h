@@ -21,6 +21,7 @@
 
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/compression/quantize.h"
+#include "torchspeed/models/moe.h"
 #include "torchspeed/nn/layer_spec.h"
 #include "torchspeed/nn/token_drop.h"
 #include "torchspeed/tensor_parallel/layers.h"
@@ -56,6 +57,8 @@ struct RopeScaling {
 //   qkv_bias, attn_out_bias, mlp_bias: the linear layers' biases (GPT-2: all; Llama: none;
 //              Qwen2: q/k/v only)
 //   qk_norm    Qwen3's RMSNorm of each query and key head (over head_dim) before RoPE
+//   moe        a Mixture-of-Experts MLP in every block instead of the dense one (models/moe.h:
+//              Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSpeed-MoE's gate); SwiGLU experts
 // The fused qkv weight's rows are [q: n_head * head_dim | k: n_kv_head * head_dim | v: same].
 struct GPTConfig {
   int64_t vocab = 256;
@@ -78,6 +81,7 @@ struct GPTConfig {
   RopeScaling rope_scaling;
   bool qkv_bias = true, attn_out_bias = true, mlp_bias = true;
   bool qk_norm = false;
+  MoEConfig moe;  // num_experts 0: dense
   const char* gelu_approximate() const { return activation == "gelu_tanh" ? "tanh" : "none"; }
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t hd() const { return head_dim > 0 ? head_dim : d_model / n_head; }
@@ -85,20 +89,28 @@ struct GPTConfig {
   bool rms() const { return norm == "rmsnorm"; }
   bool rope() const { return positions == "rope"; }
   bool swiglu() const { return activation == "swiglu"; }
+  // The MoE section with its expert width resolved (d_ff 0: the model's d_ff).
+  MoEConfig experts() const {
+    MoEConfig m = moe;
+    if (m.d_ff == 0) m.d_ff = ff();
+    return m;
+  }
   int64_t q_width() const { return n_head * hd(); }
   int64_t kv_width() const { return kv_heads() * hd(); }
   // Parameters of one block, of the embedding layer and of the head layer (a tied head: its norm).
   int64_t block_params() const;
   int64_t embed_params() const;
   int64_t head_params() const;
+  // Parameters one token's forward uses (an MoE block's k experts, not all): FLOPs count these.
+  int64_t active_params() const;
 
   // From a config's "model" section; errors name the JSON path (model.d_model ...).
   static GPTConfig from_json(const nlohmann::json& j, const std::string& path = "model");
   nlohmann::json to_json() const;
   // Parameters of the model built from this config (tied weights once).
   int64_t num_params() const;
-  // Training FLOPs per token: 6 N (forward + backward of the weights) + 12 n_layer d_model
-  // seq_len (attention scores and their backward), as in the PaLM paper's accounting.
+  // Training FLOPs per token: 6 N (forward + backward of the weights; N the active parameters)
+  // + 12 n_layer d_model seq_len (attention scores and their backward), as in the PaLM paper.
   double flops_per_token() const;
 };
 
@@ -153,7 +165,8 @@ class GPTBlockImpl : public torch::nn::Module, public compression::Compressible,
   int64_t droppable_index() const override { return index; }
   int64_t droppable_count() const override { return n_layer; }
   Norm ln1{nullptr}, ln2{nullptr}, q_norm{nullptr}, k_norm{nullptr};  // q/k norms: qk_norm only
-  torch::nn::Linear qkv{nullptr}, attn_proj{nullptr}, fc{nullptr}, mlp_proj{nullptr};
+  torch::nn::Linear qkv{nullptr}, attn_proj{nullptr}, fc{nullptr}, mlp_proj{nullptr};  // fc, mlp_proj: dense MLP
+  MoE moe{nullptr};  // the Mixture-of-Experts MLP instead (GPTConfig::moe)
   torch::nn::Dropout drop{nullptr};
   int64_t n_head, n_kv_head, head_dim;
   int64_t index;  // the block's place in the stack (GPT-2's h.<index>)

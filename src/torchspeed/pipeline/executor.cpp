@@ -15,6 +15,7 @@
 //   across the stages holding them (embedding and LM head), so both copies take identical steps.
 // - The loss is computed on the last stage and broadcast to every stage for logging.
 #include "torchspeed/pipeline/executor.h"
+#include "torchspeed/nn/aux_loss.h"
 
 #include <torch/autograd.h>
 
@@ -166,6 +167,7 @@ void Executor::on(const RecvGrad& i) {
 void Executor::on(const Backward& i) {
   const bool boundary = i.mb == b_.micro_batches - 1;  // the last backward of both schedules
   ops_.begin_backward(boundary);
+  nn::AuxLoss::set_backward_scale(b_.scale);  // the stage's attached auxiliary losses (MoE)
   if (stage_ == stages_ - 1) {
     (b_.outputs[i.mb].to(at::kFloat) * b_.scale).backward();
   } else {

@@ -1,0 +1,203 @@
+// Mixture-of-Experts MLP: routing (DeepSpeed's top-k gate with capacity, or dropless as the HF
+// families), the experts over their tokens; the load-balancing loss attached through nn/aux_loss.h.
+#include "torchspeed/models/moe.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <limits>
+
+#include "torchspeed/config/config.h"
+#include "torchspeed/config/json_reader.h"
+#include "torchspeed/nn/aux_loss.h"
+#include "torchspeed/nn/fused_ops.h"
+#include "torchspeed/runtime/error.h"
+
+namespace torchspeed::models {
+
+bool MoEConfig::operator==(const MoEConfig& o) const {
+  return num_experts == o.num_experts && k == o.k && d_ff == o.d_ff && capacity_factor == o.capacity_factor &&
+         eval_capacity_factor == o.eval_capacity_factor && min_capacity == o.min_capacity &&
+         drop_tokens == o.drop_tokens && norm_topk_prob == o.norm_topk_prob && aux_loss_coef == o.aux_loss_coef &&
+         aux_loss_type == o.aux_loss_type && shared_d_ff == o.shared_d_ff;
+}
+
+MoEConfig MoEConfig::from_json(const nlohmann::json& j, const std::string& path, config::Diagnostics& diag) {
+  config::JsonReader r(j, path, diag);
+  MoEConfig c;
+  c.num_experts = r.get_int("num_experts", c.num_experts, 0, 1 << 16);
+  c.k = r.get_int("k", c.k, 1, 1 << 16);
+  c.d_ff = r.get_int("d_ff", c.d_ff, 0, 1 << 24);
+  c.capacity_factor = r.get_double("capacity_factor", c.capacity_factor, 0.0, 1e6);
+  c.eval_capacity_factor = r.get_double("eval_capacity_factor", c.eval_capacity_factor, 0.0, 1e6);
+  c.min_capacity = r.get_int("min_capacity", c.min_capacity, 0, 1LL << 40);
+  c.drop_tokens = r.get_bool("drop_tokens", c.drop_tokens);
+  c.norm_topk_prob = r.get_bool("norm_topk_prob", c.k > 1);
+  c.aux_loss_coef = r.get_double("aux_loss_coef", c.aux_loss_coef, 0.0, 1e6);
+  c.aux_loss_type = r.get_string("aux_loss_type", c.aux_loss_type, {"deepspeed", "transformers"});
+  c.shared_d_ff = r.get_int("shared_d_ff", c.shared_d_ff, 0, 1 << 24);
+  // DeepSpeed's MoE arguments torchspeed does not compute: accepted at the value that means
+  // "off", refused by name otherwise.
+  if (r.has("use_rts") && r.get_bool("use_rts", false)) {
+    r.error("use_rts", "random token selection is not implemented: tokens past an expert's capacity are dropped in "
+                       "position order (set false)");
+  }
+  if (const nlohmann::json* p = r.raw("noisy_gate_policy"); p && !p->is_null() && !(p->is_string() && *p == "None")) {
+    r.error("noisy_gate_policy", "noisy gating (Jitter, RSample) is not implemented (set null)");
+  }
+  if (r.has("use_residual") && r.get_bool("use_residual", false)) {
+    r.error("use_residual", "residual MoE (PR-MoE's dense branch) is not implemented; Qwen2-MoE's gated shared "
+                            "expert is shared_d_ff");
+  }
+  if (r.has("top2_2nd_expert_sampling") && r.get_bool("top2_2nd_expert_sampling", false)) {
+    r.error("top2_2nd_expert_sampling", "Gumbel sampling of the second expert is not implemented: it is the second "
+                                        "most probable (set false)");
+  }
+  if (r.has("ep_size") && r.get_int("ep_size", 1, 1, 1 << 16) != 1) {
+    r.error("ep_size", "expert parallelism is not implemented yet: every rank holds every expert (set 1)");
+  }
+  r.finish();
+  if (c.num_experts > 0 && c.k > c.num_experts) {
+    diag.errors.push_back(concat(path, ".k: ", c.k, " experts per token but num_experts is ", c.num_experts));
+  }
+  return c;
+}
+
+nlohmann::json MoEConfig::to_json() const {
+  return {{"num_experts", num_experts},     {"k", k},
+          {"d_ff", d_ff},                   {"capacity_factor", capacity_factor},
+          {"eval_capacity_factor", eval_capacity_factor}, {"min_capacity", min_capacity},
+          {"drop_tokens", drop_tokens},     {"norm_topk_prob", norm_topk_prob},
+          {"aux_loss_coef", aux_loss_coef}, {"aux_loss_type", aux_loss_type},
+          {"shared_d_ff", shared_d_ff}};
+}
+
+int64_t MoEConfig::params(int64_t d) const {
+  const int64_t expert = 3 * d_ff * d;
+  const int64_t shared = shared_d_ff > 0 ? 3 * shared_d_ff * d + d : 0;
+  return num_experts * d + num_experts * expert + shared;
+}
+
+int64_t MoEConfig::active_params(int64_t d) const {
+  const int64_t shared = shared_d_ff > 0 ? 3 * shared_d_ff * d + d : 0;
+  return num_experts * d + k * 3 * d_ff * d + shared;
+}
+
+// ---- routing ----
+
+// Note [Mixture of experts]
+// route(): p = softmax(router logits) in fp32 over the E experts; each token's k most probable
+// experts (at::topk's order among equal probabilities) with weights p. With drop_tokens, each
+// expert takes at most C = max(ceil(k S / E * capacity_factor), min_capacity) of the S tokens
+// (DeepSpeed: top-1 ceil(S / E * cf), top-2 ceil(2 S / E * cf)): first choices in token order,
+// then second choices after all first choices (DeepSpeed's top2gating locations; top1gating
+// without random token selection; for k > 2 the choices queue by rank likewise, where
+// DeepSpeed's topkgating keeps each expert's most probable tokens); a token past C skips that
+// expert. With norm_topk_prob the
+// kept weights are divided by their sum (DeepSpeed's top-2 and Mixtral; with k 1 the weight is
+// 1), else they stay p (DeepSpeed's top-1, Qwen2-MoE's default). The experts then run over
+// their own tokens (gathered, SwiGLU, scattered back times the weight, in expert order as
+// transformers' loop adds them); Qwen2-MoE's shared expert adds sigmoid(gate x) * MLP(x).
+Routing route(const at::Tensor& router_logits, const MoEConfig& c, bool training) {
+  const int64_t S = router_logits.size(0), E = router_logits.size(1), k = c.k;
+  const at::Tensor probs = router_logits.to(at::kFloat).softmax(-1);
+  auto top = probs.topk(k, -1);
+  Routing r;
+  at::Tensor values = std::get<0>(top);
+  r.experts = std::get<1>(top);
+  at::Tensor keep;
+  if (c.drop_tokens) {
+    const double cf = training ? c.capacity_factor : c.eval_capacity_factor;
+    const int64_t cap = std::max<int64_t>(
+        static_cast<int64_t>(std::ceil(static_cast<double>(k * S) / static_cast<double>(E) * cf)), c.min_capacity);
+    std::vector<at::Tensor> kept;
+    at::Tensor before = at::zeros({E}, at::kLong);  // tokens of earlier choices at each expert
+    for (int64_t j = 0; j < k; ++j) {
+      const at::Tensor mask = at::one_hot(r.experts.select(1, j), E);  // [S, E] int64
+      const at::Tensor location = ((mask.cumsum(0) - 1 + before) * mask).sum(1);
+      kept.push_back(location < cap);
+      before = before + mask.sum(0);
+    }
+    keep = at::stack(kept, 1);
+  }
+  at::Tensor w = keep.defined() ? values * keep.to(at::kFloat) : values;
+  if (c.norm_topk_prob) {
+    w = w / w.sum(-1, /*keepdim=*/true).clamp_min(std::numeric_limits<float>::epsilon());
+  }
+  r.weights = w;
+  if (!training) return r;
+  const at::Tensor me = probs.mean(0);
+  if (c.aux_loss_type == "transformers") {
+    const at::Tensor ce = at::one_hot(r.experts, E).to(at::kFloat).sum(1).mean(0);
+    r.aux = (me * ce).sum() * static_cast<double>(E);
+  } else if (k <= 2) {
+    const at::Tensor ce = at::one_hot(r.experts.select(1, 0), E).to(at::kFloat).mean(0);
+    r.aux = (me * ce).sum() * static_cast<double>(E);
+  } else {
+    const at::Tensor ce = at::one_hot(r.experts, E).to(at::kFloat).sum(1).mean(0);
+    r.aux = (me * ce).sum() * static_cast<double>(E) / static_cast<double>(k);
+  }
+  return r;
+}
+
+// ---- the layer ----
+
+MoEImpl::MoEImpl(const MoEConfig& c, int64_t d_, double residual_std, int64_t n_layer)
+    : cfg(c), d(d_), aux_weight(c.aux_loss_type == "transformers" ? c.aux_loss_coef / static_cast<double>(n_layer)
+                                                                   : c.aux_loss_coef) {
+  TS_CHECK(c.enabled() && c.d_ff > 0, "MoE layer needs num_experts and d_ff");
+  const int64_t E = c.num_experts, f = c.d_ff;
+  router = register_parameter("router", at::empty({E, d}).normal_(0.0, 0.02));
+  gate_up = register_parameter("gate_up", at::empty({E, 2 * f, d}).normal_(0.0, 0.02));
+  down = register_parameter("down", at::empty({E, d, f}).normal_(0.0, residual_std));
+  if (c.shared_d_ff > 0) {
+    const int64_t fs = c.shared_d_ff;
+    shared_fc = register_parameter("shared_fc", at::empty({2 * fs, d}).normal_(0.0, 0.02));
+    shared_proj = register_parameter("shared_proj", at::empty({d, fs}).normal_(0.0, residual_std));
+    shared_gate = register_parameter("shared_gate", at::empty({1, d}).normal_(0.0, 0.02));
+  }
+}
+
+at::Tensor MoEImpl::forward(const at::Tensor& x) {
+  const auto shape = x.sizes().vec();
+  const at::Tensor xf = x.reshape({-1, d});
+  const int64_t S = xf.size(0), E = cfg.num_experts, k = cfg.k;
+  const bool training = is_training();
+  const Routing r = route(at::linear(xf.to(at::kFloat), router.to(at::kFloat)), cfg, training);
+  const at::Tensor weights = r.weights.to(xf.scalar_type()).reshape({-1});  // [S k]
+  const at::Tensor choice = r.experts.reshape({-1});                         // [S k]
+  const at::Tensor live = (r.weights.reshape({-1}) != 0);
+  at::Tensor out = at::zeros_like(xf);
+  const bool grads = training && c10::GradMode::is_enabled();
+  // Every expert's tokens (rows of the flattened [S, k] choices, token-major).
+  const at::Tensor order = at::argsort(choice * (S * k) + at::arange(S * k, at::kLong));  // stable by expert
+  const at::Tensor counts = at::bincount(choice, /*weights=*/{}, E).cpu();
+  const int64_t* n_of = counts.data_ptr<int64_t>();
+  int64_t first = 0;
+  bool ran = false;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = n_of[e];
+    at::Tensor rows = order.narrow(0, first, n);
+    first += n;
+    if (n > 0) rows = rows.masked_select(live.index_select(0, rows));
+    if (rows.numel() == 0) continue;
+    ran = true;
+    const at::Tensor tokens = at::floor_divide(rows, k);
+    const at::Tensor h = nn::swiglu(at::linear(xf.index_select(0, tokens), gate_up[e]));
+    const at::Tensor y = at::linear(h, down[e]) * weights.index_select(0, rows).unsqueeze(1);
+    out = out.index_add(0, tokens, y);
+  }
+  if (shared_fc.defined()) {
+    const at::Tensor s = at::linear(nn::swiglu(at::linear(xf, shared_fc)), shared_proj);
+    out = out + at::sigmoid(at::linear(xf, shared_gate)) * s;
+  }
+  // Every token dropped (a capacity of 0): a zero term keeps the experts' gradients defined, as
+  // ZeRO's hooks expect one per parameter each backward. (An expert no token reached gets the
+  // zero rows of its slice of gate_up and down, which are one parameter each.)
+  if (!ran && grads) out = out + ((router.sum() + gate_up.sum() + down.sum()) * 0).to(out.scalar_type());
+  if (grads && aux_weight > 0) out = nn::AuxLoss::attach(out, r.aux * aux_weight);
+  return out.view(shape);
+}
+
+}  // namespace torchspeed::models
