@@ -6,6 +6,8 @@
 // config around them. A config that disagrees with the tensors must be refused with a
 // torchspeed::Error naming the problem, never reach a LibTorch error or read out of bounds; a
 // model that loads must have the shapes its config declares.
+// With bit 3 set (bits 1 and 2 clear), the folder holds a tiny Mixtral instead (2 experts per
+// layer, Mixtral's per-expert tensor names) and the config is a Mixture-of-Experts one's.
 // With the first byte's bit 2 set, the input is instead a LoRA adapter's adapter_config.json
 // (checkpoint/peft.cpp, `serve --lora-modules`) beside PEFT tensors for the same tiny Llama: a
 // config that is refused must be refused with an Error, and an adapter that loads must have its
@@ -47,6 +49,23 @@ ck::NamedTensors tiny_llama() {
           {"model.norm.weight", t({8})}};
 }
 
+// The same tiny model with a Mixtral block: 2 experts of width 16.
+ck::NamedTensors tiny_mixtral() {
+  ck::NamedTensors out;
+  for (auto& [name, t] : tiny_llama()) {
+    if (name.find(".mlp.") == std::string::npos) out.emplace_back(name, t);
+  }
+  const std::string m = "model.layers.0.block_sparse_moe.";
+  out.emplace_back(m + "gate.weight", at::randn({2, 8}));
+  for (int e = 0; e < 2; ++e) {
+    const std::string x = m + "experts." + std::to_string(e) + ".";
+    out.emplace_back(x + "w1.weight", at::randn({16, 8}));
+    out.emplace_back(x + "w3.weight", at::randn({16, 8}));
+    out.emplace_back(x + "w2.weight", at::randn({8, 16}));
+  }
+  return out;
+}
+
 torchspeed::models::GPTConfig tiny_llama_config() {
   torchspeed::models::GPTConfig c;
   c.vocab = 32, c.d_model = 8, c.n_layer = 1, c.n_head = 2, c.n_kv_head = 1, c.d_ff = 16;
@@ -56,7 +75,7 @@ torchspeed::models::GPTConfig tiny_llama_config() {
 }
 
 struct Folders {
-  std::string single, sharded, adapter;
+  std::string single, sharded, adapter, mixtral;
   Folders() {
     adapter = fuzz::scratch_dir() + "/adapter";
     std::filesystem::create_directories(adapter);
@@ -73,6 +92,9 @@ struct Folders {
     sharded = fuzz::scratch_dir() + "/sharded";
     std::filesystem::create_directories(single);
     std::filesystem::create_directories(sharded);
+    mixtral = fuzz::scratch_dir() + "/mixtral";
+    std::filesystem::create_directories(mixtral);
+    ck::save_safetensors(mixtral + "/model.safetensors", tiny_mixtral());
     const auto tensors = tiny_llama();
     ck::save_safetensors(single + "/model.safetensors", tensors);
     ck::save_safetensors(sharded + "/shard-1.safetensors", tensors);
@@ -102,7 +124,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   const size_t nul = rest.find('\0');
-  const std::string dir = sharded ? folders.sharded : folders.single;
+  const std::string dir = (data[0] & 4) && !sharded ? folders.mixtral : sharded ? folders.sharded : folders.single;
   const std::string config = rest.substr(0, nul);
   fuzz::write_file(dir + "/config.json", reinterpret_cast<const uint8_t*>(config.data()), config.size());
   if (sharded) {
@@ -118,6 +140,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       fuzz::bug(kTarget, "the embedding's shape disagrees with the accepted config");
     if (name.find("ln") != std::string::npos && name.find(".weight") != std::string::npos && (t.dim() != 1 || t.size(0) != d))
       fuzz::bug(kTarget, "norm " + name + " does not have the config's width");
+    if (name.find(".moe.gate_up") != std::string::npos) {
+      const auto& e = cfg.at("moe");
+      if (t.dim() != 3 || t.size(0) != e.at("num_experts").get<int64_t>() || t.size(1) != 2 * e.at("d_ff").get<int64_t>() ||
+          t.size(2) != d)
+        fuzz::bug(kTarget, "the experts' shape disagrees with the accepted config");
+    }
   }
   return 0;
 }

@@ -1,18 +1,19 @@
 #!/bin/sh
 # The model families against transformers (issue 34): for each family (Llama 2 and 3.2, SmolLM2,
-# Mistral, Qwen2, Qwen3), a random-initialised model made by transformers with its own config
-# class loads in torchspeed with logits equal to transformers' on both our paths (training stack,
+# Mistral, Qwen2, Qwen3; the Mixture-of-Experts Mixtral, Qwen2-MoE and Qwen3-MoE of issue 39), a
+# random-initialised model made by transformers with its own config class loads in torchspeed with logits equal to transformers' on both our paths (training stack,
 # serving model), and `torchspeed serve` gives the prompt's log-probabilities and 64 greedy tokens
 # as transformers does (fp32; bf16 weights within a stated tolerance). Then the Llama 3.2 shape
 # is fine-tuned on 2 ranks with ZeRO-2 (--init-from the folder), exported with `convert --format
-# hf`, and the export loads in transformers with equal logits to ours, its weights changed.
+# hf`, and the export loads in transformers with equal logits to ours, its weights changed; the
+# same for the Mixtral shape (Mixture of experts, its load-balancing loss in the training loss).
 # usage: families.sh PYTHON TORCHSPEED MODEL_LOGITS
 set -eu
 py=$1 cli=$2 logits=$3
 here=$(cd "$(dirname "$0")" && pwd)
 rm -rf hf_families && mkdir hf_families && cd hf_families
 "$py" "$here/families_parity.py" make fam
-for f in llama2 llama3 smollm2 mistral qwen2 qwen3; do
+for f in llama2 llama3 smollm2 mistral qwen2 qwen3 mixtral qwen2_moe qwen3_moe; do
   "$logits" "fam/$f" fam/text.txt "$f.safetensors"
   "$py" "$here/families_parity.py" logits "fam/$f" "$f.safetensors"
   "$py" "$here/families_parity.py" serve "fam/$f" --cli "$cli"
@@ -28,4 +29,9 @@ grep -q "initialized from" train.log || { cat train.log; echo "FAIL train did no
 "$logits" export fam/text.txt export.safetensors
 "$py" "$here/families_parity.py" logits export export.safetensors
 "$py" "$here/families_parity.py" changed export fam/llama3
+"$cli" train -c "$here/finetune_zero2.json" -n 2 --init-from fam/mixtral --out run_moe > train_moe.log 2>&1 || { cat train_moe.log; exit 1; }
+"$cli" convert run_moe --format hf --to export_moe
+"$logits" export_moe fam/text.txt export_moe.safetensors
+"$py" "$here/families_parity.py" logits export_moe export_moe.safetensors
+"$py" "$here/families_parity.py" changed export_moe fam/mixtral
 echo HF_FAMILIES_PASSED

@@ -45,7 +45,8 @@ VOCAB = 1024  # the tokenizer's size; each model's vocabulary is a little larger
 
 def family_configs():
     """One small model per family, each exercising what sets it apart."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(vocab_size=VOCAB + 8, max_position_embeddings=128, num_hidden_layers=2, rms_norm_eps=1e-5)
     return {
@@ -74,6 +75,22 @@ def family_configs():
         # Qwen3: per-head q/k RMSNorm, head_dim 32 with hidden 64 and 4 heads, tied.
         "qwen3": Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=32, tie_word_embeddings=True, use_sliding_window=False, **common),
+        # Mixture of experts (issue 39): Mixtral, 4 experts, 2 per token, renormalised; the
+        # load-balancing loss on (output_router_logits), so fine-tuning trains with it.
+        "mixtral": MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                 tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.02,
+                                 **common),
+        # Qwen2-MoE: q/k/v biases, a gated shared expert, weights not renormalised.
+        "qwen2_moe": Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                                    norm_topk_prob=False, num_attention_heads=4, num_key_value_heads=2,
+                                    tie_word_embeddings=False, use_sliding_window=False, **common),
+        # Qwen3-MoE: q/k norms, 3 of 6 experts per token, renormalised.
+        "qwen3_moe": Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_experts=6,
+                                    num_experts_per_tok=3, norm_topk_prob=True, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                    use_sliding_window=False, **common),
     }
 
 

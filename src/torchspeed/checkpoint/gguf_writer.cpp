@@ -203,6 +203,9 @@ int64_t write(const std::string& path, const Metadata& metadata, const std::vect
 }
 
 std::string architecture_of(const nlohmann::json& m) {
+  TS_CHECK(!(m.contains("moe") && m.at("moe").value("num_experts", int64_t{0}) > 0),
+           "convert --format gguf: Mixture-of-Experts models (model.moe) are not written as GGUF yet; --format hf writes "
+           "them as Mixtral / Qwen2-MoE / Qwen3-MoE");
   auto is = [&](const char* key, const std::string& want, const std::string& dflt) { return m.value(key, dflt) == want; };
   // GPT-2 itself (learned positions, LayerNorm, a GELU MLP with biases): llama.cpp's "gpt2", whose
   // GELU is the tanh approximation (HF GPT-2's gelu_new), so only a model trained with that one.

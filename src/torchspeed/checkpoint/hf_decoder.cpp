@@ -30,10 +30,18 @@ namespace fs = std::filesystem;
 //   block{i}.mlp_proj.{weight,bias}              mlp.down_proj.{weight,bias}
 //   head.ln_f.weight                             model.norm.weight
 //   head.weight (untied heads only)              lm_head.weight
+// Mixture-of-Experts blocks (Mixtral's block_sparse_moe.*, Qwen2/3-MoE's mlp.*, as save_pretrained
+// writes them: one tensor per expert; the fused 3-D form of save_original_format=False reads too):
+//   block{i}.moe.router [E, d]                   {block_sparse_moe,mlp}.gate.weight
+//   block{i}.moe.gate_up [E, 2 ff, d]            experts.{j}.{w1,w3} (Mixtral) / {gate,up}_proj: gate rows first
+//   block{i}.moe.down [E, d, ff]                 experts.{j}.w2 / down_proj
+//   block{i}.moe.shared_fc [2 sff, d]            mlp.shared_expert.{gate,up}_proj.weight (Qwen2-MoE)
+//   block{i}.moe.shared_proj [d, sff]            mlp.shared_expert.down_proj.weight
+//   block{i}.moe.shared_gate [1, d]              mlp.shared_expert_gate.weight
 // q and k rows keep transformers' order (the rotate-half convention), so no permutation.
 namespace {
 
-const char* const kFamilies[] = {"llama", "mistral", "qwen2", "qwen3"};
+const char* const kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"};
 
 struct Reader {
   const nlohmann::json& j;
@@ -113,8 +121,13 @@ void read_rope(const nlohmann::json& h, const std::string& source, int64_t seq_l
 }
 
 std::string family_of(const nlohmann::json& m) {
-  if (m.value("qk_norm", false)) return "qwen3";
   const bool qkv = m.value("qkv_bias", true), out = m.value("attn_out_bias", true), mlp = m.value("mlp_bias", true);
+  if (m.contains("moe") && m.at("moe").value("num_experts", int64_t{0}) > 0) {
+    if (m.value("qk_norm", false)) return "qwen3_moe";
+    if (m.at("moe").value("shared_d_ff", int64_t{0}) > 0) return "qwen2_moe";
+    return "mixtral";
+  }
+  if (m.value("qk_norm", false)) return "qwen3";
   if (qkv && !out && !mlp) return "qwen2";
   const std::string f = m.value("family", std::string());
   if (f == "mistral" && !qkv && !out && !mlp) return "mistral";
@@ -122,6 +135,44 @@ std::string family_of(const nlohmann::json& m) {
 }
 
 std::string layer_prefix(int64_t i) { return concat("model.layers.", i, "."); }
+
+// A Mixture-of-Experts block's tensors (Note [Decoder names]): `p` the HF layer prefix, `b` ours.
+template <class Take, class Add, class Has>
+void load_experts(const nlohmann::json& m, const std::string& p, const std::string& b, int64_t d, Take& take, Add& add,
+                  Has has) {
+  const nlohmann::json& e = m.at("moe");
+  const bool mixtral = m.at("family").get<std::string>() == "mixtral";
+  const int64_t E = e.at("num_experts").get<int64_t>(), ff = e.at("d_ff").get<int64_t>();
+  // save_original_format=False (or a model saved from memory by other tools): the fused form,
+  // where Mixtral's block is "mlp." too.
+  const std::string fused = p + "mlp.experts.";
+  const bool is_fused = has(fused + "gate_up_proj");
+  const std::string moe = p + (mixtral && !is_fused ? "block_sparse_moe." : "mlp.");
+  add(b + "moe.router", take(moe + "gate.weight", {E, d}));
+  if (is_fused) {
+    add(b + "moe.gate_up", take(fused + "gate_up_proj", {E, 2 * ff, d}));
+    add(b + "moe.down", take(fused + "down_proj", {E, d, ff}));
+  } else {
+    std::vector<at::Tensor> gate_up, down;
+    for (int64_t j = 0; j < E; ++j) {
+      const std::string x = concat(moe, "experts.", j, ".");
+      const char* g = mixtral ? "w1.weight" : "gate_proj.weight";
+      const char* u = mixtral ? "w3.weight" : "up_proj.weight";
+      const char* w = mixtral ? "w2.weight" : "down_proj.weight";
+      gate_up.push_back(at::cat({take(x + g, {ff, d}), take(x + u, {ff, d})}));
+      down.push_back(take(x + w, {d, ff}));
+    }
+    add(b + "moe.gate_up", at::stack(gate_up));
+    add(b + "moe.down", at::stack(down));
+  }
+  const int64_t sff = e.value("shared_d_ff", int64_t{0});
+  if (sff > 0) {
+    const std::string s = p + "mlp.shared_expert.";
+    add(b + "moe.shared_fc", at::cat({take(s + "gate_proj.weight", {sff, d}), take(s + "up_proj.weight", {sff, d})}));
+    add(b + "moe.shared_proj", take(s + "down_proj.weight", {d, sff}));
+    add(b + "moe.shared_gate", take(p + "mlp.shared_expert_gate.weight", {1, d}));
+  }
+}
 
 }  // namespace
 
@@ -134,7 +185,8 @@ nlohmann::json model_section_from_decoder(const nlohmann::json& h, const std::st
   const Reader r{h, source};
   const std::string type = r.string("model_type", "");
   TS_CHECK(is_decoder_family(type), source, ": \"model_type\" is \"", type,
-           "\"; torchspeed runs gpt2, llama (Llama 1-3.2, SmolLM), mistral, qwen2 and qwen3; this one would need its ",
+           "\"; torchspeed runs gpt2, llama (Llama 1-3.2, SmolLM), mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe; ",
+           "this one would need its ",
            "architecture added to the model description (models/gpt.h)");
   nlohmann::json m;
   m["family"] = type;
@@ -171,16 +223,50 @@ nlohmann::json model_section_from_decoder(const nlohmann::json& h, const std::st
     mlp_bias = r.boolean("mlp_bias", false);
   } else if (type == "qwen2") {
     qkv_bias = true;  // Qwen2's q/k/v projections always have biases, o_proj none
-  } else if (type == "qwen3") {
+  } else if (type == "qwen2_moe") {
+    qkv_bias = r.boolean("qkv_bias", true);  // o_proj none
+  } else if (type == "qwen3" || type == "qwen3_moe") {
     qkv_bias = out_bias = r.boolean("attention_bias", false);
     m["qk_norm"] = true;
   }
-  if (type == "mistral") {
+  if (type == "mixtral" || type == "qwen2_moe" || type == "qwen3_moe") {
+    // Note [Mixture of experts]: the HF families route dropless; the auxiliary loss is in the
+    // training loss only when output_router_logits is set, as in transformers.
+    nlohmann::json moe;
+    const bool mixtral = type == "mixtral";
+    // Mixtral's key is num_local_experts, the Qwen MoE families' num_experts; transformers 5
+    // writes either (its configs map one name onto the other).
+    const char* experts_key = mixtral ? "num_local_experts" : "num_experts";
+    const char* other_key = mixtral ? "num_experts" : "num_local_experts";
+    moe["num_experts"] = r.integer(r.has(experts_key) || !r.has(other_key) ? experts_key : other_key);
+    moe["k"] = r.integer("num_experts_per_tok");
+    TS_CHECK(moe["k"].get<int64_t>() <= moe["num_experts"].get<int64_t>(), source, ": \"num_experts_per_tok\" ",
+             moe["k"].dump(), " exceeds the number of experts ", moe["num_experts"].dump());
+    moe["d_ff"] = mixtral ? m.at("d_ff").get<int64_t>() : r.integer("moe_intermediate_size");
+    moe["drop_tokens"] = false;
+    moe["norm_topk_prob"] = mixtral ? true : r.boolean("norm_topk_prob", false);
+    moe["aux_loss_coef"] = r.boolean("output_router_logits", false) ? r.number("router_aux_loss_coef", 0.001) : 0.0;
+    moe["aux_loss_type"] = "transformers";
+    if (type == "qwen2_moe") moe["shared_d_ff"] = r.integer("shared_expert_intermediate_size");
+    if (mixtral) {
+      const double jitter = r.number("router_jitter_noise", 0.0);
+      TS_CHECK(jitter == 0.0, source, ": \"router_jitter_noise\" ", jitter,
+               " is not supported (torchspeed routes without noise); set it to 0");
+    } else {
+      TS_CHECK(r.number("decoder_sparse_step", 1) == 1, source, ": \"decoder_sparse_step\" ", h.at("decoder_sparse_step").dump(),
+               " is not supported (torchspeed's MoE models have experts in every layer)");
+      TS_CHECK(!r.has("mlp_only_layers") || (h.at("mlp_only_layers").is_array() && h.at("mlp_only_layers").empty()), source,
+               ": \"mlp_only_layers\" ", r.has("mlp_only_layers") ? h.at("mlp_only_layers").dump() : std::string(),
+               " is not supported (torchspeed's MoE models have experts in every layer)");
+    }
+    m["moe"] = moe;
+  }
+  if (type == "mistral" || type == "mixtral") {
     TS_CHECK(!r.has("sliding_window"), source, ": \"sliding_window\" is ", h.at("sliding_window").dump(),
              "; torchspeed attends to the whole context, so a sliding-window Mistral would give other results: ",
              "set it to null for a model trained without one (Mistral 7B v0.2 and later)");
   }
-  if (type == "qwen2" || type == "qwen3") {
+  if (type == "qwen2" || type == "qwen3" || type == "qwen2_moe" || type == "qwen3_moe") {
     TS_CHECK(!r.boolean("use_sliding_window", false), source,
              ": \"use_sliding_window\": true is not supported (torchspeed attends to the whole context)");
   }
@@ -195,7 +281,10 @@ nlohmann::json decoder_config(const nlohmann::json& m, const nlohmann::json& hf_
   static const std::map<std::string, const char*> arch = {{"llama", "LlamaForCausalLM"},
                                                          {"mistral", "MistralForCausalLM"},
                                                          {"qwen2", "Qwen2ForCausalLM"},
-                                                         {"qwen3", "Qwen3ForCausalLM"}};
+                                                         {"qwen3", "Qwen3ForCausalLM"},
+                                                         {"mixtral", "MixtralForCausalLM"},
+                                                         {"qwen2_moe", "Qwen2MoeForCausalLM"},
+                                                         {"qwen3_moe", "Qwen3MoeForCausalLM"}};
   nlohmann::json h = hf_config.is_object() && hf_config.value("model_type", std::string()) == family ? hf_config
                                                                                                       : nlohmann::json::object();
   // What we compute decides these keys; the folder's others (token ids, ...) stay as they were.
@@ -243,14 +332,48 @@ nlohmann::json decoder_config(const nlohmann::json& m, const nlohmann::json& hf_
              " differ: no Hugging Face family has that combination with qk_norm false");
     h["attention_bias"] = qkv;
     h["mlp_bias"] = mlp;
-  } else if (family == "qwen3") {
+  } else if (family == "qwen3" || family == "qwen3_moe") {
     TS_CHECK(qkv == out && !mlp, "model.qk_norm with qkv_bias ", qkv, ", attn_out_bias ", out, ", mlp_bias ", mlp,
              " is no Qwen3 (attention_bias covers q/k/v and o, the MLP has none)");
     h["attention_bias"] = qkv;
-  } else if (family == "mistral") {
+  } else if (family == "mistral" || family == "mixtral") {
     h["sliding_window"] = nullptr;
   }
-  if (family == "qwen2" || family == "qwen3") h["use_sliding_window"] = false;
+  if (family == "qwen2" || family == "qwen3" || family == "qwen2_moe" || family == "qwen3_moe") h["use_sliding_window"] = false;
+  if (family == "mixtral" || family == "qwen2_moe" || family == "qwen3_moe") {
+    const nlohmann::json& e = m.at("moe");
+    const int64_t d_ff = h.at("intermediate_size").get<int64_t>();
+    const int64_t expert_ff = e.value("d_ff", int64_t{0}) > 0 ? e.at("d_ff").get<int64_t>() : d_ff;
+    const double coef = e.value("aux_loss_coef", 0.01);
+    TS_CHECK(!mlp, "model.mlp_bias: a ", family, " model's experts have no biases");
+    if (family == "mixtral") {
+      TS_CHECK(!qkv && !out, "model.qkv_bias / attn_out_bias: Mixtral's attention has no biases, and no Hugging Face MoE "
+                             "family has q/k/v biases without a shared expert (Qwen2-MoE's)");
+      TS_CHECK(e.value("norm_topk_prob", true), "model.moe.norm_topk_prob false: Mixtral always renormalises its k routing "
+                                                "weights, and no other Hugging Face MoE family fits this model (Qwen3-MoE "
+                                                "has q/k norms, Qwen2-MoE a shared expert)");
+      h["num_local_experts"] = e.at("num_experts");
+      h["intermediate_size"] = expert_ff;
+      h["router_jitter_noise"] = 0.0;
+    } else {
+      TS_CHECK(family == "qwen2_moe" || e.value("shared_d_ff", int64_t{0}) == 0,
+               "model.moe.shared_d_ff: a shared expert with q/k norms fits no Hugging Face family (Qwen3-MoE has none)");
+      if (family == "qwen2_moe") {
+        TS_CHECK(!out, "model.moe.shared_d_ff: a shared expert is Qwen2-MoE's, whose attention has no o_proj bias "
+                       "(attn_out_bias false)");
+        h["shared_expert_intermediate_size"] = e.at("shared_d_ff");
+        h["qkv_bias"] = qkv;
+      }
+      h["num_experts"] = e.at("num_experts");
+      h["moe_intermediate_size"] = expert_ff;
+      h["norm_topk_prob"] = e.value("norm_topk_prob", true);
+      h["decoder_sparse_step"] = 1;
+      h["mlp_only_layers"] = nlohmann::json::array();
+    }
+    h["num_experts_per_tok"] = e.value("k", int64_t{2});
+    h["router_aux_loss_coef"] = coef;
+    h["output_router_logits"] = coef > 0;
+  }
   if (eos >= 0 && !h.contains("eos_token_id")) h["eos_token_id"] = eos;
   return h;
 }
@@ -314,6 +437,10 @@ Model load_decoder(const std::string& dir) {
     add(b + "attn_proj.weight", take(a + "o_proj.weight", {d, heads * hd}));
     if (out_bias) add(b + "attn_proj.bias", take(a + "o_proj.bias", {d}));
     add(b + "ln2.weight", take(p + "post_attention_layernorm.weight", {d}));
+    if (m.contains("moe")) {
+      load_experts(m, p, b, d, take, add, [&](const std::string& n) { return hf.count(n) > 0; });
+      continue;
+    }
     add(b + "fc.weight", at::cat({take(f + "gate_proj.weight", {ff, d}), take(f + "up_proj.weight", {ff, d})}));
     if (mlp_bias) add(b + "fc.bias", at::cat({take(f + "gate_proj.bias", {ff}), take(f + "up_proj.bias", {ff})}));
     add(b + "mlp_proj.weight", take(f + "down_proj.weight", {d, ff}));
@@ -345,8 +472,40 @@ int64_t save_decoder(const std::string& dir, const NamedTensors& params, const n
   NamedTensors out;
   auto put = [&](const std::string& name, const at::Tensor& t) { out.emplace_back(name, t.to(dtype).contiguous()); };
   static const std::regex block(R"(block(\d+)\.(\w+)\.(weight|bias))");
+  static const std::regex experts(R"(block(\d+)\.moe\.(\w+))");
+  const std::string family = h.at("model_type").get<std::string>();
   for (const auto& [name, t] : params) {
     std::smatch mt;
+    if (std::regex_match(name, mt, experts)) {
+      const std::string p = layer_prefix(std::stoll(mt[1].str())), part = mt[2].str();
+      const bool mixtral = family == "mixtral";
+      const std::string moe = p + (mixtral ? "block_sparse_moe." : "mlp.");
+      if (part == "router") {
+        put(moe + "gate.weight", t);
+      } else if (part == "gate_up" || part == "down") {
+        const int64_t eff = t.size(part == "down" ? 2 : 1) / (part == "down" ? 1 : 2);
+        for (int64_t j = 0; j < t.size(0); ++j) {
+          const std::string x = concat(moe, "experts.", j, ".");
+          if (part == "down") {
+            put(x + (mixtral ? "w2.weight" : "down_proj.weight"), t[j]);
+          } else {
+            put(x + (mixtral ? "w1.weight" : "gate_proj.weight"), t[j].narrow(0, 0, eff));
+            put(x + (mixtral ? "w3.weight" : "up_proj.weight"), t[j].narrow(0, eff, eff));
+          }
+        }
+      } else if (part == "shared_fc") {
+        const int64_t sff = t.size(0) / 2;
+        put(p + "mlp.shared_expert.gate_proj.weight", t.narrow(0, 0, sff));
+        put(p + "mlp.shared_expert.up_proj.weight", t.narrow(0, sff, sff));
+      } else if (part == "shared_proj") {
+        put(p + "mlp.shared_expert.down_proj.weight", t);
+      } else if (part == "shared_gate") {
+        put(p + "mlp.shared_expert_gate.weight", t);
+      } else {
+        TS_CHECK(false, "parameter '", name, "' has no counterpart in a ", family, " model");
+      }
+      continue;
+    }
     if (name == "embed.tok.weight") {
       put("model.embed_tokens.weight", t);
     } else if (name == "head.ln_f.weight") {

@@ -1,4 +1,5 @@
 #include "torchspeed/inference/model.h"
+#include "torchspeed/models/moe.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -150,6 +151,18 @@ std::map<std::string, std::vector<int64_t>> expected_shapes(const models::GPTCon
     if (c.qkv_bias) e[b + "qkv.bias"] = {qkv};
     e[b + "attn_proj.weight"] = {d, c.q_width()};
     if (c.attn_out_bias) e[b + "attn_proj.bias"] = {d};
+    if (c.moe.enabled()) {
+      const models::MoEConfig m = c.experts();
+      e[b + "moe.router"] = {m.num_experts, d};
+      e[b + "moe.gate_up"] = {m.num_experts, 2 * m.d_ff, d};
+      e[b + "moe.down"] = {m.num_experts, d, m.d_ff};
+      if (m.shared_d_ff > 0) {
+        e[b + "moe.shared_fc"] = {2 * m.shared_d_ff, d};
+        e[b + "moe.shared_proj"] = {d, m.shared_d_ff};
+        e[b + "moe.shared_gate"] = {1, d};
+      }
+      continue;
+    }
     e[b + "fc.weight"] = {up, d};
     if (c.mlp_bias) e[b + "fc.bias"] = {up};
     e[b + "mlp_proj.weight"] = {d, c.ff()};
@@ -243,6 +256,25 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
                           bf16_dot);
     L.proj = ServingLinear(split(p.take(b + "attn_proj.weight"), cols), maybe(cfg_.attn_out_bias, b + "attn_proj.bias"),
                            format, bf16_dot);
+    if (cfg_.moe.enabled()) {
+      TS_CHECK(!tp_, "serving a Mixture-of-Experts model with --tp ", tps, " is not implemented (expert parallelism): serve it "
+                     "with --tp 1");
+      const models::MoEConfig m = cfg_.experts();
+      L.moe = true;
+      L.router = ServingLinear(p.take(b + "moe.router"), at::Tensor(), WeightFormat::kFP32);
+      const at::Tensor gu = p.take(b + "moe.gate_up"), dn = p.take(b + "moe.down");
+      for (int64_t e = 0; e < m.num_experts; ++e) {
+        L.expert_fc.emplace_back(gu[e].contiguous(), at::Tensor(), format, bf16_dot);
+        L.expert_mlp.emplace_back(dn[e].contiguous(), at::Tensor(), format, bf16_dot);
+      }
+      if (m.shared_d_ff > 0) {
+        L.shared_fc = ServingLinear(p.take(b + "moe.shared_fc"), at::Tensor(), format, bf16_dot);
+        L.shared_mlp = ServingLinear(p.take(b + "moe.shared_proj"), at::Tensor(), format, bf16_dot);
+        L.shared_gate = ServingLinear(p.take(b + "moe.shared_gate"), at::Tensor(), WeightFormat::kFP32);
+      }
+      layers_.push_back(std::move(L));
+      continue;
+    }
     const tensor_parallel::Split fc_split = cfg_.swiglu() ? gate_up : rows;
     L.fc = ServingLinear(split(p.take(b + "fc.weight"), fc_split), split(maybe(cfg_.mlp_bias, b + "fc.bias"), fc_split),
                          format, bf16_dot);
@@ -288,6 +320,7 @@ at::Tensor InferenceModel::split_qkv_rows(const at::Tensor& full) const {
 // of a dozen ATen calls. Prompt rows (more than the row kernels take) use GEMMs.
 int32_t InferenceModel::add_adapter(const checkpoint::peft::Adapter& a) {
   using checkpoint::peft::Fused;
+  TS_CHECK(!cfg_.moe.enabled(), a.source, ": LoRA adapters on a Mixture-of-Experts model are not implemented");
   const std::vector<checkpoint::peft::Target> ts = checkpoint::peft::targets(cfg_);
   TS_CHECK(static_cast<int64_t>(a.A.size()) == cfg_.n_layer, a.source, ": an adapter for ", a.A.size(),
            " layers, the model has ", cfg_.n_layer);
@@ -490,8 +523,63 @@ void InferenceModel::position_qk(at::Tensor& qkv, const std::vector<int64_t>& po
 
 int64_t InferenceModel::weight_bytes() const {
   int64_t b = head_.weight_bytes();
-  for (const Layer& L : layers_) b += L.qkv.weight_bytes() + L.proj.weight_bytes() + L.fc.weight_bytes() + L.mlp.weight_bytes();
+  for (const Layer& L : layers_) {
+    b += L.qkv.weight_bytes() + L.proj.weight_bytes();
+    if (!L.moe) {
+      b += L.fc.weight_bytes() + L.mlp.weight_bytes();
+      continue;
+    }
+    // A decode step reads the router, k experts per token (all of them at most) and the shared one.
+    const models::MoEConfig m = cfg_.experts();
+    b += L.router.weight_bytes() + m.k * (L.expert_fc[0].weight_bytes() + L.expert_mlp[0].weight_bytes());
+    if (m.shared_d_ff > 0) b += L.shared_fc.weight_bytes() + L.shared_mlp.weight_bytes() + L.shared_gate.weight_bytes();
+  }
   return b;
+}
+
+// Note [Serving experts]
+// An MoE layer routes each row dropless (whatever capacity the model trained with: with a
+// capacity, a token's experts would depend on what else is in the batch) with the training
+// code's route() over the router's logits, computed by the row kernel for decode rows so each
+// row's choice has the same bits in any batch. Each expert runs over its rows (gathered in row
+// order, so its decode rows lead and take the row kernel), and its output times the routing
+// weight is added to the residual in expert order, as transformers' loop adds them.
+void InferenceModel::experts_add(const Layer& L, const at::Tensor& h, int64_t decode_rows, at::Tensor& x) const {
+  models::MoEConfig m = cfg_.experts();
+  m.drop_tokens = false;
+  const at::Tensor logits = L.router.forward(h, decode_rows, /*add_bias=*/false);
+  const models::Routing r = models::route(logits, m, /*training=*/false);
+  const int64_t N = h.size(0), k = m.k;
+  const at::Tensor choice = r.experts.reshape({-1});
+  const at::Tensor weights = r.weights.reshape({-1}).contiguous();
+  const at::Tensor order = at::argsort(choice * (N * k) + at::arange(N * k, at::kLong));
+  const at::Tensor counts = at::bincount(choice, /*weights=*/{}, m.num_experts);
+  const int64_t* n_of = counts.data_ptr<int64_t>();
+  at::Tensor update = at::zeros_like(x);
+  int64_t first = 0;
+  for (int64_t e = 0; e < m.num_experts; ++e) {
+    const int64_t n = n_of[e];
+    if (n == 0) continue;
+    const at::Tensor sel = order.narrow(0, first, n);
+    first += n;
+    const at::Tensor rows = at::floor_divide(sel, k);
+    const int64_t kernel_rows = (rows < decode_rows).sum().item<int64_t>();
+    at::Tensor f = L.expert_fc[static_cast<size_t>(e)].forward(h.index_select(0, rows).contiguous(), kernel_rows, false);
+    const int64_t half = f.size(1) / 2;
+    f = at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
+    at::Tensor y = L.expert_mlp[static_cast<size_t>(e)].forward(f, kernel_rows, false);
+    y.mul_(weights.index_select(0, sel).unsqueeze(1));
+    update.index_add_(0, rows, y);
+  }
+  if (m.shared_d_ff > 0) {
+    at::Tensor f = L.shared_fc.forward(h, decode_rows, false);
+    const int64_t half = f.size(1) / 2;
+    f = at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
+    at::Tensor s = L.shared_mlp.forward(f, decode_rows, false);
+    s.mul_(at::sigmoid(L.shared_gate.forward(h, decode_rows, false)));
+    update.add_(s);
+  }
+  x.add_(update);
 }
 
 void InferenceModel::attention(const StepPlan& plan, int64_t layer, const at::Tensor& q, KVCache& cache,
@@ -626,6 +714,10 @@ at::Tensor InferenceModel::run(const StepPlan& plan, KVCache& cache, bool logits
       if (!lora.empty()) lora_add(lora, l, Fused::kProj, y.view({N, dl}), x);
     }
     norm_rows(x, L.ln2_w, L.ln2_b, h);
+    if (L.moe) {
+      experts_add(L, h, decode_rows, x);
+      continue;
+    }
     at::Tensor f = L.fc.forward(h, decode_rows, /*add_bias=*/true,
                                 cfg_.swiglu() || lora_fc_act ? Activation::kNone : gelu_);
     if (!lora.empty()) lora_add(lora, l, Fused::kFC, h, f);

@@ -85,8 +85,15 @@ class InferenceModel {
   struct Layer {
     at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // biases: LayerNorm only
     at::Tensor q_norm, k_norm;              // Qwen3's per-head RMSNorm weights [head_dim]
-    ServingLinear qkv, proj, fc, mlp;
+    ServingLinear qkv, proj, fc, mlp;  // fc, mlp: a dense MLP
+    // A Mixture-of-Experts MLP instead (Note [Serving experts]): the router (fp32 always), each
+    // expert's [gate; up] and down linears, Qwen2-MoE's shared expert and its gate.
+    bool moe = false;
+    ServingLinear router, shared_fc, shared_mlp, shared_gate;
+    std::vector<ServingLinear> expert_fc, expert_mlp;
   };
+  // x += the MoE MLP of layer L over its input h [N, d].
+  void experts_add(const Layer& L, const at::Tensor& h, int64_t decode_rows, at::Tensor& x) const;
   // One adapter's update of one fused linear (Note [Serving LoRA]): u = A x for the stacked A
   // of its modules, then each module's rows of the output += B_t u_t, the scale folded into B.
   // A's input and the modules' rows are this rank's part of the linear's. Stored in fp32 beside
