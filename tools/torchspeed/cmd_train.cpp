@@ -404,7 +404,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       const auto now = std::chrono::steady_clock::now();
       const double window_s = std::chrono::duration<double>(now - window_start).count();
       m.tokens_per_s = tokens_per_step * window_steps / std::max(window_s, 1e-9);
-      m.mfu = flops_per_token(gpt) * m.tokens_per_s / peak;
+      m.mfu = flops_per_token(trained) * m.tokens_per_s / peak;
       evaluated_last = step % ts.eval_interval == 0 || step == ts.steps;
       if (evaluated_last) {
         m.val_loss = evaluate();
