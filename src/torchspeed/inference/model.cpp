@@ -119,6 +119,12 @@ inline float widen_bf16(uint16_t v) {
   return f;
 }
 
+// SwiGLU over fc's rows [gate | up]: silu(gate) * up, [rows, F].
+at::Tensor silu_gate_up(const at::Tensor& f) {
+  const int64_t half = f.size(1) / 2;
+  return at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
+}
+
 // x[0..d) *= rsqrt(mean(x^2) + eps) * w, in place (Hugging Face's RMSNorm in fp32).
 void rms_norm_inplace(float* x, int64_t d, const float* w, float eps) {
   float ss = 0.0f;
@@ -549,33 +555,25 @@ void InferenceModel::experts_add(const Layer& L, const at::Tensor& h, int64_t de
   m.drop_tokens = false;
   const at::Tensor logits = L.router.forward(h, decode_rows, /*add_bias=*/false);
   const models::Routing r = models::route(logits, m, /*training=*/false);
-  const int64_t N = h.size(0), k = m.k;
-  const at::Tensor choice = r.experts.reshape({-1});
   const at::Tensor weights = r.weights.reshape({-1}).contiguous();
-  const at::Tensor order = at::argsort(choice * (N * k) + at::arange(N * k, at::kLong));
-  const at::Tensor counts = at::bincount(choice, /*weights=*/{}, m.num_experts);
-  const int64_t* n_of = counts.data_ptr<int64_t>();
+  const models::ExpertGroups groups = models::group_by_expert(r.experts, m.num_experts);
   at::Tensor update = at::zeros_like(x);
   int64_t first = 0;
   for (int64_t e = 0; e < m.num_experts; ++e) {
-    const int64_t n = n_of[e];
+    const int64_t n = groups.counts[static_cast<size_t>(e)];
     if (n == 0) continue;
-    const at::Tensor sel = order.narrow(0, first, n);
+    const at::Tensor sel = groups.order.narrow(0, first, n);
     first += n;
-    const at::Tensor rows = at::floor_divide(sel, k);
+    const at::Tensor rows = at::floor_divide(sel, m.k);
     const int64_t kernel_rows = (rows < decode_rows).sum().item<int64_t>();
-    at::Tensor f = L.expert_fc[static_cast<size_t>(e)].forward(h.index_select(0, rows).contiguous(), kernel_rows, false);
-    const int64_t half = f.size(1) / 2;
-    f = at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
+    const at::Tensor f =
+        silu_gate_up(L.expert_fc[static_cast<size_t>(e)].forward(h.index_select(0, rows).contiguous(), kernel_rows, false));
     at::Tensor y = L.expert_mlp[static_cast<size_t>(e)].forward(f, kernel_rows, false);
     y.mul_(weights.index_select(0, sel).unsqueeze(1));
     update.index_add_(0, rows, y);
   }
   if (m.shared_d_ff > 0) {
-    at::Tensor f = L.shared_fc.forward(h, decode_rows, false);
-    const int64_t half = f.size(1) / 2;
-    f = at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
-    at::Tensor s = L.shared_mlp.forward(f, decode_rows, false);
+    at::Tensor s = L.shared_mlp.forward(silu_gate_up(L.shared_fc.forward(h, decode_rows, false)), decode_rows, false);
     s.mul_(at::sigmoid(L.shared_gate.forward(h, decode_rows, false)));
     update.add_(s);
   }
@@ -722,10 +720,7 @@ at::Tensor InferenceModel::run(const StepPlan& plan, KVCache& cache, bool logits
                                 cfg_.swiglu() || lora_fc_act ? Activation::kNone : gelu_);
     if (!lora.empty()) lora_add(lora, l, Fused::kFC, h, f);
     if (lora_fc_act) activate(f.data_ptr<float>(), N, f.size(1), 0, f.size(1), gelu_);  // the kernel's GELU: same bits
-    if (cfg_.swiglu()) {  // [gate | up] -> silu(gate) * up
-      const int64_t half = f.size(1) / 2;
-      f = at::silu(f.narrow(1, 0, half)).mul_(f.narrow(1, half, half));
-    }
+    if (cfg_.swiglu()) f = silu_gate_up(f);
     if (tp_) {
       at::Tensor m = L.mlp.forward(f, decode_rows, /*add_bias=*/false);
       if (!lora.empty()) lora_add(lora, l, Fused::kMLP, f, m);

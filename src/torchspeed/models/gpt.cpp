@@ -464,18 +464,17 @@ std::vector<compression::Site> GPTBlockImpl::compression_sites() {
   using K = compression::Site::Kind;
   const std::string h = "transformer.h." + std::to_string(index) + ".";
   const std::string l = "model.layers." + std::to_string(index) + ".";
-  if (moe) {  // the experts are not compressible: the attention's linears only
-    return {{"qkv", {h + "attn.c_attn", l + "self_attn.qkv_proj"}, K::kLinear, qkv->options.out_features(), &qkv_q,
-             {l + "self_attn.q_proj", l + "self_attn.k_proj", l + "self_attn.v_proj"}},
-            {"attn_proj", {h + "attn.c_proj", l + "self_attn.o_proj"}, K::kLinear, attn_proj->options.out_features(),
-             &attn_proj_q, {}}};
-  }
-  return {{"qkv", {h + "attn.c_attn", l + "self_attn.qkv_proj"}, K::kLinear, qkv->options.out_features(), &qkv_q,
-           {l + "self_attn.q_proj", l + "self_attn.k_proj", l + "self_attn.v_proj"}},
-          {"attn_proj", {h + "attn.c_proj", l + "self_attn.o_proj"}, K::kLinear, attn_proj->options.out_features(), &attn_proj_q, {}},
-          {"fc", {h + "mlp.c_fc", l + "mlp.gate_up_proj"}, K::kLinear, fc->options.out_features(), &fc_q,
-           swiglu ? std::vector<std::string>{l + "mlp.gate_proj", l + "mlp.up_proj"} : std::vector<std::string>{l + "mlp.up_proj"}},
-          {"mlp_proj", {h + "mlp.c_proj", l + "mlp.down_proj"}, K::kLinear, mlp_proj->options.out_features(), &mlp_proj_q, {}}};
+  std::vector<compression::Site> sites = {
+      {"qkv", {h + "attn.c_attn", l + "self_attn.qkv_proj"}, K::kLinear, qkv->options.out_features(), &qkv_q,
+       {l + "self_attn.q_proj", l + "self_attn.k_proj", l + "self_attn.v_proj"}},
+      {"attn_proj", {h + "attn.c_proj", l + "self_attn.o_proj"}, K::kLinear, attn_proj->options.out_features(), &attn_proj_q, {}}};
+  if (moe) return sites;  // the experts are not compressible: the attention's linears only
+  sites.push_back({"fc", {h + "mlp.c_fc", l + "mlp.gate_up_proj"}, K::kLinear, fc->options.out_features(), &fc_q,
+                   swiglu ? std::vector<std::string>{l + "mlp.gate_proj", l + "mlp.up_proj"}
+                          : std::vector<std::string>{l + "mlp.up_proj"}});
+  sites.push_back({"mlp_proj", {h + "mlp.c_proj", l + "mlp.down_proj"}, K::kLinear, mlp_proj->options.out_features(),
+                   &mlp_proj_q, {}});
+  return sites;
 }
 
 GPTHeadImpl::GPTHeadImpl(const GPTConfig& c, const at::Tensor& tied) : is_tied(tied.defined()), vocab(c.vocab) {

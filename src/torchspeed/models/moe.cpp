@@ -141,6 +141,16 @@ Routing route(const at::Tensor& router_logits, const MoEConfig& c, bool training
   return r;
 }
 
+ExpertGroups group_by_expert(const at::Tensor& experts, int64_t num_experts) {
+  const at::Tensor choice = experts.reshape({-1});
+  const int64_t n = choice.numel();
+  ExpertGroups g;
+  g.order = at::argsort(choice * n + at::arange(n, choice.options()));  // by expert, then by route
+  const at::Tensor counts = at::bincount(choice, /*weights=*/{}, num_experts).contiguous();
+  g.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+  return g;
+}
+
 // ---- the layer ----
 
 MoEImpl::MoEImpl(const MoEConfig& c, int64_t d_, double residual_std, int64_t n_layer)
@@ -162,23 +172,19 @@ MoEImpl::MoEImpl(const MoEConfig& c, int64_t d_, double residual_std, int64_t n_
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const auto shape = x.sizes().vec();
   const at::Tensor xf = x.reshape({-1, d});
-  const int64_t S = xf.size(0), E = cfg.num_experts, k = cfg.k;
+  const int64_t E = cfg.num_experts, k = cfg.k;
   const bool training = is_training();
   const Routing r = route(at::linear(xf.to(at::kFloat), router.to(at::kFloat)), cfg, training);
   const at::Tensor weights = r.weights.to(xf.scalar_type()).reshape({-1});  // [S k]
-  const at::Tensor choice = r.experts.reshape({-1});                         // [S k]
-  const at::Tensor live = (r.weights.reshape({-1}) != 0);
+  const at::Tensor live = (r.weights.reshape({-1}) != 0);                    // dropped routes: weight 0
   at::Tensor out = at::zeros_like(xf);
   const bool grads = training && c10::GradMode::is_enabled();
-  // Every expert's tokens (rows of the flattened [S, k] choices, token-major).
-  const at::Tensor order = at::argsort(choice * (S * k) + at::arange(S * k, at::kLong));  // stable by expert
-  const at::Tensor counts = at::bincount(choice, /*weights=*/{}, E).cpu();
-  const int64_t* n_of = counts.data_ptr<int64_t>();
+  const ExpertGroups groups = group_by_expert(r.experts, E);
   int64_t first = 0;
   bool ran = false;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = n_of[e];
-    at::Tensor rows = order.narrow(0, first, n);
+    const int64_t n = groups.counts[static_cast<size_t>(e)];
+    at::Tensor rows = groups.order.narrow(0, first, n);
     first += n;
     if (n > 0) rows = rows.masked_select(live.index_select(0, rows));
     if (rows.numel() == 0) continue;

@@ -84,4 +84,13 @@ struct Routing {
 };
 Routing route(const at::Tensor& router_logits, const MoEConfig& c, bool training);
 
+// The S * k routes (row s * k + j: token s's j-th choice) grouped by expert: `order` lists them
+// expert by expert, in token order within each; counts[e] of them go to expert e. Training and
+// serving run each expert over its group.
+struct ExpertGroups {
+  at::Tensor order;
+  std::vector<int64_t> counts;
+};
+ExpertGroups group_by_expert(const at::Tensor& experts, int64_t num_experts);
+
 }  // namespace torchspeed::models
