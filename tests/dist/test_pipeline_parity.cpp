@@ -128,8 +128,12 @@ void check_parity(const Case& c) {
     const double loss = engine->train_batch([&] { return data(s, m++, groups.coord.dp, mb); });
     const double want = ref_losses[static_cast<size_t>(s)], want_norm = ref_norms[static_cast<size_t>(s)];
     EXPECT_NEAR(loss, want, 1e-6 * std::abs(want)) << "step " << s;  // measured <= 6e-8
-    // The norm over the whole model before clipping: every stage's and tp slice's part once.
-    EXPECT_NEAR(engine->grad_norm(), want_norm, 1e-6 * want_norm) << "step " << s;  // measured <= 2e-7
+    // The norm over the whole model before clipping: every stage's and tp slice's part once. A
+    // slice missing or counted twice moves it by percents; rounding alone by <= 3e-7 without tp,
+    // and up to 1.4e-6 with tp (its slices' partial products summed in another order: LibTorch
+    // 1.13 in CI, the Llama shape at step 2).
+    const double norm_tol = c.tp > 1 ? 1e-5 : 1e-6;
+    EXPECT_NEAR(engine->grad_norm(), want_norm, norm_tol * want_norm) << "step " << s;
     worst_loss = std::max(worst_loss, std::abs(loss - want) / std::abs(want));
     worst_norm = std::max(worst_norm, std::abs(engine->grad_norm() - want_norm) / want_norm);
   }
