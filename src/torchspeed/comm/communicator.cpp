@@ -174,6 +174,50 @@ void Communicator::broadcast(const at::Tensor& t, int root) {
   validate_broadcast(t, root);
   do_broadcast(t, root, Mode::kBlocking)->wait();
 }
+void Communicator::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                              const at::Tensor& output, const std::vector<int64_t>& recv_counts) {
+  const char* op = "all_to_all";
+  check_tensor(op, input, "input");
+  check_tensor(op, output, "output");
+  TS_CHECK(input.scalar_type() == output.scalar_type(), describe(op), ": input dtype ", input.scalar_type(),
+           " differs from output dtype ", output.scalar_type());
+  TS_CHECK(input.dim() >= 1 && output.dim() == input.dim() && input.sizes().slice(1) == output.sizes().slice(1),
+           describe(op), ": input ", input.sizes(), " and output ", output.sizes(), " must have equal rows");
+  const auto n = static_cast<size_t>(size());
+  TS_CHECK(send_counts.size() == n && recv_counts.size() == n, describe(op), ": ", send_counts.size(), " send and ",
+           recv_counts.size(), " receive counts for ", n, " ranks");
+  int64_t sent = 0, received = 0;
+  for (size_t j = 0; j < n; ++j) {
+    TS_CHECK(send_counts[j] >= 0 && recv_counts[j] >= 0, describe(op), ": a negative count for rank ", j);
+    sent += send_counts[j];
+    received += recv_counts[j];
+  }
+  TS_CHECK(sent == input.size(0) && received == output.size(0), describe(op), ": the counts add up to ", sent, " sent and ",
+           received, " received rows, but input has ", input.size(0), " and output ", output.size(0));
+  std::vector<at::Tensor> in_blocks, out_blocks;
+  for (size_t j = 0, a = 0, b = 0; j < n; a += send_counts[j], b += recv_counts[j], ++j) {
+    in_blocks.push_back(input.narrow(0, static_cast<int64_t>(a), send_counts[j]));
+    out_blocks.push_back(output.narrow(0, static_cast<int64_t>(b), recv_counts[j]));
+  }
+  const auto me = static_cast<size_t>(rank());
+  TS_CHECK(send_counts[me] == recv_counts[me], describe(op), ": sends ", send_counts[me], " rows to itself but receives ",
+           recv_counts[me]);
+  // Receives first, then sends (MPI matches them in any order; posting receives first lets
+  // eager messages land in place), peers in ring order from this rank so no pair waits on
+  // another's.
+  std::vector<WorkPtr> works;
+  for (size_t k = 1; k < n; ++k) {
+    const size_t src = (me + n - k) % n;
+    if (recv_counts[src] > 0) works.push_back(recv_async(out_blocks[src], static_cast<int>(src), kAllToAllTag));
+  }
+  for (size_t k = 1; k < n; ++k) {
+    const size_t dst = (me + k) % n;
+    if (send_counts[dst] > 0) works.push_back(send_async(in_blocks[dst], static_cast<int>(dst), kAllToAllTag));
+  }
+  if (send_counts[me] > 0) out_blocks[me].copy_(in_blocks[me]);
+  for (auto& w : works) w->wait();
+}
+
 void Communicator::send(const at::Tensor& t, int dst, int tag) { send_async(t, dst, tag)->wait(); }
 void Communicator::recv(const at::Tensor& t, int src, int tag) { recv_async(t, src, tag)->wait(); }
 void Communicator::barrier() { do_barrier(Mode::kBlocking)->wait(); }

@@ -131,6 +131,17 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void recv(const at::Tensor& tensor, int src, int tag = 0);
   void barrier();
 
+  // All-to-all with variable counts along dim 0 (MPI_Alltoallv's exchange; expert parallelism's
+  // token dispatch): `input` is size() consecutive blocks, send_counts[j] rows for rank j;
+  // `output` receives recv_counts[j] rows from rank j, in rank order. A row is everything past
+  // dim 0 and must match; counts may be 0. Point-to-point transfers on a tag of its own, each
+  // under the deadline; this rank's own block is copied. Collective: every rank calls it, and
+  // rank i's send_counts[j] must equal rank j's recv_counts[i] (a mismatch fails the transfer).
+  void all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_counts, const at::Tensor& output,
+                  const std::vector<int64_t>& recv_counts);
+  // The tag all_to_all's transfers use; other point-to-point traffic on the group avoids it.
+  static constexpr int kAllToAllTag = (1 << 20) - 1;
+
   // "all_reduce on group 'dp' (rank 1 of 2, world rank 3)": the prefix of every error.
   std::string describe(const char* op) const;
 

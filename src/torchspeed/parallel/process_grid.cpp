@@ -92,4 +92,16 @@ ParallelGroups make_parallel_groups(const comm::CommunicatorPtr& world, const Pr
   return g;
 }
 
+void add_expert_groups(ParallelGroups& g, int ep_size) {
+  TS_CHECK(ep_size >= 1 && g.dp && g.dp->size() % ep_size == 0, "model.moe.ep_size ", ep_size,
+           " must divide the data-parallel size ", g.dp ? g.dp->size() : 0, " (the experts spread over ep_size ",
+           "data-parallel ranks)");
+  TS_CHECK(!g.ep, "the expert-parallel groups exist already");
+  if (ep_size == 1) return;
+  const int d = g.dp->rank();
+  // DeepSpeed's layout: expert-parallel groups of consecutive data-parallel ranks.
+  g.ep = g.dp->split(d / ep_size, d % ep_size, "ep");
+  g.edp = g.dp->split(d % ep_size, d / ep_size, "edp");
+}
+
 }  // namespace torchspeed::parallel

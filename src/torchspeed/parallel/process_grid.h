@@ -56,6 +56,14 @@ struct ParallelGroups {
   comm::CommunicatorPtr dp;      // data-parallel peers (gradient reduction, ZeRO)
   comm::CommunicatorPtr pp;      // the pipeline this rank is a stage of
   comm::CommunicatorPtr mp;      // model-parallel: tp x pp ranks holding one model replica
+  // Expert parallelism (DeepSpeed-MoE's ep_size, add_expert_groups): the data-parallel group
+  // splits into expert-parallel groups of ep_size consecutive ranks, which hold the experts
+  // between them and exchange tokens, and expert-data-parallel groups of the ranks holding the
+  // same experts (dp rank mod ep_size), over which the experts' gradients reduce. Null when
+  // none were made (ep_size 1).
+  comm::CommunicatorPtr ep;
+  comm::CommunicatorPtr edp;
+  int ep_size() const { return ep ? ep->size() : 1; }
   int prev_stage = -1;           // rank in `pp` of the previous stage, -1 on the first
   int next_stage = -1;           // rank in `pp` of the next stage, -1 on the last
   bool first_stage() const { return coord.pp == 0; }
@@ -64,5 +72,8 @@ struct ParallelGroups {
 
 // Collective over `world`: builds every group of the grid.
 ParallelGroups make_parallel_groups(const comm::CommunicatorPtr& world, const ProcessGrid& grid);
+// Collective over the data-parallel group: makes groups.ep and groups.edp for `ep_size` (which
+// must divide the data-parallel size; 1 makes none).
+void add_expert_groups(ParallelGroups& groups, int ep_size);
 
 }  // namespace torchspeed::parallel

@@ -9,7 +9,9 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "torchspeed/comm/autograd_state.h"
 #include "torchspeed/runtime/error.h"
+#include "torchspeed/runtime/tensor_registry.h"
 
 namespace torchspeed::tensor_parallel {
 namespace {
@@ -17,18 +19,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The communicator is owned by the autograd node that needs it in backward. See Note [Owned
-// state in autograd nodes] in nn/checkpoint.cpp.
-struct CommHolder : torch::CustomClassHolder {
-  explicit CommHolder(comm::CommunicatorPtr c) : comm(std::move(c)) {}
-  comm::CommunicatorPtr comm;
-};
-void save_comm(AutogradContext* ctx, const comm::CommunicatorPtr& tp) {
-  ctx->saved_data["tp"] = c10::IValue::make_capsule(c10::make_intrusive<CommHolder>(tp));
-}
-comm::CommunicatorPtr comm_of(AutogradContext* ctx) {
-  return static_cast<const CommHolder&>(*ctx->saved_data["tp"].toCapsule()).comm;
-}
+// The communicator is owned by the autograd node that needs it in backward (comm/autograd_state.h).
+void save_comm(AutogradContext* ctx, const comm::CommunicatorPtr& tp) { comm::save_comm(ctx, "tp", tp); }
+comm::CommunicatorPtr comm_of(AutogradContext* ctx) { return comm::saved_comm(ctx, "tp"); }
 
 at::Tensor all_reduced(const at::Tensor& x, comm::Communicator& c) {
   at::Tensor y = x.contiguous().clone();
@@ -128,15 +121,9 @@ struct VocabParallelCE : public torch::autograd::Function<VocabParallelCE> {
   }
 };
 
-// Split parameters by TensorImpl. A weak reference per entry keeps a dead tensor's address from
-// being reused by a new tensor while its entry exists; dead entries are pruned on insertion.
-struct Entry {
-  c10::weak_intrusive_ptr<c10::TensorImpl> tensor;
-  Split split;
-};
-std::mutex g_mu;
-std::unordered_map<const void*, Entry>& registry() {
-  static auto* r = new std::unordered_map<const void*, Entry>();
+// Split parameters, by identity.
+TensorRegistry<Split>& registry() {
+  static auto* r = new TensorRegistry<Split>();
   return *r;
 }
 
@@ -190,19 +177,9 @@ comm::CommunicatorPtr replica_group(const comm::CommunicatorPtr& tp, int replica
   return c.group;
 }
 
-void mark_split(const at::Tensor& param, Split split) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto& r = registry();
-  for (auto it = r.begin(); it != r.end();) it = it->second.tensor.expired() ? r.erase(it) : std::next(it);
-  r.insert_or_assign(param.unsafeGetTensorImpl(), Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), split});
-}
+void mark_split(const at::Tensor& param, Split split) { registry().set(param, std::move(split)); }
 
-std::optional<Split> split_of(const at::Tensor& param) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = registry().find(param.unsafeGetTensorImpl());
-  if (it == registry().end() || it->second.tensor.expired()) return std::nullopt;
-  return it->second.split;
-}
+std::optional<Split> split_of(const at::Tensor& param) { return registry().get(param); }
 
 namespace {
 // The blocks of a tensor split as `split` says (equal chunks, or sections in proportion).
