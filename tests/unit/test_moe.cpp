@@ -220,13 +220,19 @@ TEST(MoE, ConfigReadsDeepSpeedsKeysAndRefusesWhatItDoesNotCompute) {
   for (const auto& [key, value, needle] :
        std::vector<std::tuple<std::string, nlohmann::json, std::string>>{{"use_rts", true, "model.moe.use_rts"},
                                                                         {"noisy_gate_policy", "Jitter", "model.moe.noisy_gate_policy"},
-                                                                        {"ep_size", 2, "model.moe.ep_size"},
+                                                                        {"ep_size", 3, "model.moe.ep_size"},  // 8 experts
                                                                         {"k", 9, "model.moe.k"},
                                                                         {"use_residual", true, "model.moe.use_residual"}}) {
     nlohmann::json bad = m;
     bad["moe"][key] = value;
     EXPECT_NE(error_of(bad).find(needle), std::string::npos) << key << ": " << error_of(bad);
   }
+  // Expert parallelism is how a run lays the model out: read, and left out of the model's JSON.
+  nlohmann::json ep = m;
+  ep["moe"]["ep_size"] = 4;
+  const GPTConfig with_ep = GPTConfig::from_json(ep);
+  EXPECT_EQ(with_ep.moe.ep_size, 4);
+  EXPECT_EQ(with_ep.to_json(), c.to_json());
   nlohmann::json gelu = m;
   gelu["activation"] = "gelu";
   EXPECT_NE(error_of(gelu).find("swiglu"), std::string::npos);

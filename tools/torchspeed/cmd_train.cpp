@@ -251,14 +251,14 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     torch::manual_seed(static_cast<uint64_t>(cfg.seed));
     // From the spec: with pipeline.stages > 1 each rank builds only its stage's layers.
     // With tensor_parallel.tp_size > 1 the layers split over the grid's tensor-parallel group.
-    auto groups = make_groups(rt, cfg);
+    auto groups = make_groups(rt, cfg, static_cast<int>(gpt.moe.ep_size));
     models::InitTensors init_tensors;
     if (init) {
       auto m = std::make_shared<std::map<std::string, at::Tensor>>();
       for (const auto& [name, t] : init->params) (*m)[name] = t;
       init_tensors = m;
     }
-    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors, lora), cfg,
+    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors, lora, groups.ep), cfg,
                              {no_weight_decay_group(ts.no_decay_embeddings)});
     // FLOPs per token: 6 N + attention; with LoRA the frozen base takes no weight gradients (its
     // 2 N of them), the adapter's parameters all 6.
@@ -307,10 +307,13 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
         const models::MoEConfig m = gpt.experts();
         const std::string drop = m.drop_tokens ? concat("capacity factor ", m.capacity_factor, " (tokens past it dropped)")
                                                : std::string("dropless");
+        const std::string ep = m.ep_size > 1 ? concat(", expert parallel over ", m.ep_size, " ranks (", m.num_experts / m.ep_size,
+                                                      " experts each)")
+                                             : std::string();
         std::printf("  mixture of experts: %ld experts of d_ff %ld per block, %ld per token, %s, load-balancing loss x %g: "
-                    "%.2fM parameters active per token\n",
+                    "%.2fM parameters active per token%s\n",
                     static_cast<long>(m.num_experts), static_cast<long>(m.d_ff), static_cast<long>(m.k), drop.c_str(),
-                    m.aux_loss_coef, gpt.active_params() / 1e6);
+                    m.aux_loss_coef, gpt.active_params() / 1e6, ep.c_str());
       }
       if (lora) {
         std::string targets;

@@ -20,7 +20,11 @@ ShardSource::ShardSource(std::string dir, zero::PartitionLayout layout, std::vec
   for (int r = 0; r < layout_.dp; ++r) {
     if (files_[static_cast<size_t>(r)].empty()) continue;  // this rank saved no shard
     check_plain_name(files_[static_cast<size_t>(r)], dir_ + "/manifest.json", "shard file");
-    for (const auto& p : zero::pieces(layout_, r)) segments_[p.name].push_back({p.begin, p.length, p.part_offset, r});
+    for (const auto& p : zero::pieces(layout_, r)) {
+      // At stage 0 with expert parallelism the first ep ranks saved: their other units are copies.
+      if (layout_.stage == 0 && r > 0 && !p.expert) continue;
+      segments_[p.name].push_back({p.begin, p.length, p.part_offset, r});
+    }
   }
 }
 
@@ -60,9 +64,10 @@ void ShardSource::copy(const std::string& name, int64_t begin, int64_t length, c
 }
 
 ShardSource::RangeReader ShardSource::reader(const zero::PartitionLayout& target, int rank) {
-  // The same layout: the shard file holds exactly this partition (at stage 0, rank 0's copy).
+  // The same layout: the shard file holds exactly this partition (at stage 0, the copy of rank
+  // 0, or of rank % ep with expert parallelism).
   if (target.to_json() == layout_.to_json()) {
-    const int src = layout_.stage == 0 ? 0 : rank;
+    const int src = layout_.own_rank(rank);
     if (!files_[static_cast<size_t>(src)].empty()) {
       file(src);  // opened and verified now
       return [this, src](const std::string& kind, int64_t begin, int64_t n, float* dst) {

@@ -63,7 +63,7 @@ nlohmann::json slice_entry(int pp, int tp, const zero::PartitionLayout& layout,
                            const std::vector<int>& dp_world_ranks, const std::vector<SliceParam>& params) {
   nlohmann::json files = nlohmann::json::array();
   for (size_t r = 0; r < dp_world_ranks.size(); ++r)
-    files.push_back(layout.stage == 0 && r > 0 ? "" : shard_file(dp_world_ranks[r]));
+    files.push_back(layout.holds_own(static_cast<int>(r)) ? shard_file(dp_world_ranks[r]) : "");
   nlohmann::json ps = nlohmann::json::array();
   for (const auto& p : params) {
     nlohmann::json j = {{"name", p.name}, {"shape", p.shape}};

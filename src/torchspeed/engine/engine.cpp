@@ -16,6 +16,7 @@
 #include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/offload/optimizer_swapper.h"
 #include "torchspeed/offload/param_swapper.h"
+#include "torchspeed/parallel/expert.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 #include "torchspeed/tensor_parallel/layers.h"
@@ -89,8 +90,16 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
       p.set_data(precision_ == precision::Precision::kBF16 ? p.detach().to(at::kBFloat16) : p.detach().to(at::kHalf).to(at::kFloat));
     }
   }
-  zero_ = zero::make_zero_optimizer(zero::collect_params(*root_, stack_, counted, param_groups_), layers, groups_.dp,
-                                    zo, zero::optimizer_spec_of(config_, param_groups_));
+  auto params = zero::collect_params(*root_, stack_, counted, param_groups_);
+  // Expert parallelism: the experts reduce over the expert-data-parallel group.
+  for (const auto& p : params) {
+    if (!p.expert) continue;
+    const int ep = *parallel::expert_parallel_size(p.param);
+    TS_CHECK(ep == groups_.ep_size(), "parameter '", p.name, "' holds 1/", ep, " of its layer's experts but the job's ",
+             "expert-parallel groups have ", groups_.ep_size(), " ranks (make them with parallel::add_expert_groups)");
+  }
+  zo.expert_parallel(groups_.ep).expert_data_parallel(groups_.edp);
+  zero_ = zero::make_zero_optimizer(std::move(params), layers, groups_.dp, zo, zero::optimizer_spec_of(config_, param_groups_));
   layer_hooks_ = zero_->layer_hooks();
   if (config_.compression.enabled()) {
     TS_CHECK(stack_, "compression_training and quantize_training need a LayerStack model (GPT)");
@@ -410,13 +419,15 @@ double Engine::eval_batch(const MicroBatchSource& next) {
   return mean_over_data_parallel(loss);
 }
 
-parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config) {
+parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config, int ep_size) {
   comm::CommOptions co;
   co.timeout(std::chrono::milliseconds(static_cast<int64_t>(config.torchspeed.comm_timeout_s * 1000)))
       .chunk_bytes(config.torchspeed.comm_chunk_bytes);
   auto world = comm::Communicator::world(co);
   parallel::ProcessGrid grid(runtime.world_size, config.tp, config.pp);
-  return parallel::make_parallel_groups(world, grid);
+  auto groups = parallel::make_parallel_groups(world, grid);
+  parallel::add_expert_groups(groups, ep_size);
+  return groups;
 }
 
 std::unique_ptr<Engine> initialize(const parallel::ParallelGroups& groups, nn::LayerStack model,

@@ -200,8 +200,9 @@ class Engine {
   EngineTimings reported_{};  // timings() at the last steps_per_print report
 };
 
-// Builds the process grid and its groups from the config over every rank of the job.
-parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config);
+// Builds the process grid and its groups from the config over every rank of the job, and the
+// expert-parallel groups for `ep_size` (a MoE model's model.moe.ep_size).
+parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Config& config, int ep_size = 1);
 
 // From a spec: with pipeline.stages > 1 each rank builds only its stage's layers (partitioned by
 // pipeline.partition_method), and tied weights are kept equal across stages.

@@ -42,10 +42,11 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
   spec.joined = true;
   spec.keep_last = config_.checkpoint.keep_last;
   const zero::PartitionLayout layout = zero_->layout();
-  // Stage 0 ranks hold identical copies of the whole state: data-parallel rank 0's is enough.
+  // Stage 0 ranks hold identical copies of the whole state: data-parallel rank 0's is enough
+  // (with expert parallelism, the first ep ranks': each holds other experts).
   // Views of the live buffers where possible (the save completes before anything changes
   // them); offloaded state streams from its store (Note [Streamed partitions]).
-  if (layout.stage != 0 || groups_.dp->rank() == 0) {
+  if (layout.holds_own(groups_.dp->rank())) {
     auto part = zero_->export_partition_streamed();
     spec.tensors = std::move(part.resident);
     for (const auto& kind : part.streamed) spec.streamed.tensors.push_back({kind, at::kFloat, {layout.part_numel}});

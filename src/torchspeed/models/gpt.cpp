@@ -608,10 +608,13 @@ void load_layer(torch::nn::Module& m, const std::string& layer, const InitTensor
 }  // namespace
 
 nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr tp, InitTensors init,
-                       std::shared_ptr<const LoraOptions> lora) {
+                       std::shared_ptr<const LoraOptions> lora, comm::CommunicatorPtr ep) {
   nn::StackSpec spec;
   spec.seed = seed;
   const bool parallel = tp && tp->size() > 1;
+  // Without `ep` every expert is built (a single-process reference of an expert-parallel run).
+  TS_CHECK(!ep || (c.moe.enabled() && ep->size() == c.moe.ep_size), "the expert-parallel group has ", ep ? ep->size() : 0,
+           " ranks but model.moe.ep_size is ", c.moe.ep_size, c.moe.enabled() ? "" : " (the model has no experts)");
   TS_CHECK(!(lora && parallel), "LoRA fine-tuning runs without tensor parallelism (tp ", tp ? tp->size() : 1,
            "): use data parallelism and ZeRO");
   const int64_t d = c.d_model;
@@ -630,10 +633,11 @@ nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr 
   spec.layers.push_back(embed);
   for (int64_t i = 0; i < c.n_layer; ++i) {
     spec.layers.push_back({"block" + std::to_string(i),
-                           [c, tp, parallel, init, i, lora](const nn::TiedTensors&) {
+                           [c, tp, parallel, init, i, lora, ep](const nn::TiedTensors&) {
                              GPTBlock dense(c, i);
                              load_layer(*dense, "block" + std::to_string(i), init);
                              if (lora) dense->add_lora(c, *lora);
+                             if (dense->moe && ep) dense->moe->shard_experts(ep);
                              return parallel ? torch::nn::AnyModule(GPTBlockTP(dense, tp)) : torch::nn::AnyModule(dense);
                            },
                            block, {}});

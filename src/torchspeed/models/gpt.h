@@ -250,9 +250,12 @@ TORCH_MODULE(GPTHeadTP);
 // missing tensor or a shape mismatch is an error naming it.
 // With `lora`, every loaded weight is frozen and each block gets an adapter (LoRA fine-tuning;
 // not with tensor parallelism).
+// With `ep` (model.moe.ep_size > 1: ParallelGroups::ep), each MoE block keeps its rank's
+// experts of the dense layer (MoEImpl::shard_experts).
 using InitTensors = std::shared_ptr<const std::map<std::string, at::Tensor>>;
 nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed, comm::CommunicatorPtr tp = nullptr,
-                       InitTensors init = nullptr, std::shared_ptr<const LoraOptions> lora = nullptr);
+                       InitTensors init = nullptr, std::shared_ptr<const LoraOptions> lora = nullptr,
+                       comm::CommunicatorPtr ep = nullptr);
 // Builds the whole stack, seeded from the seed last given to torch::manual_seed.
 nn::LayerStack make_gpt(const GPTConfig& config);
 

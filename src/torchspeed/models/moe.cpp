@@ -12,6 +12,7 @@
 #include "torchspeed/config/json_reader.h"
 #include "torchspeed/nn/aux_loss.h"
 #include "torchspeed/nn/fused_ops.h"
+#include "torchspeed/parallel/expert.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::models {
@@ -54,12 +55,14 @@ MoEConfig MoEConfig::from_json(const nlohmann::json& j, const std::string& path,
     r.error("top2_2nd_expert_sampling", "Gumbel sampling of the second expert is not implemented: it is the second "
                                         "most probable (set false)");
   }
-  if (r.has("ep_size") && r.get_int("ep_size", 1, 1, 1 << 16) != 1) {
-    r.error("ep_size", "expert parallelism is not implemented yet: every rank holds every expert (set 1)");
-  }
+  c.ep_size = r.get_int("ep_size", c.ep_size, 1, 1 << 16);
   r.finish();
   if (c.num_experts > 0 && c.k > c.num_experts) {
     diag.errors.push_back(concat(path, ".k: ", c.k, " experts per token but num_experts is ", c.num_experts));
+  }
+  if (c.num_experts > 0 && c.num_experts % c.ep_size != 0) {
+    diag.errors.push_back(concat(path, ".ep_size: ", c.ep_size, " ranks cannot hold equal parts of ", c.num_experts,
+                                 " experts (num_experts must divide by ep_size)"));
   }
   return c;
 }
@@ -172,13 +175,23 @@ MoEImpl::MoEImpl(const MoEConfig& c, int64_t d_, double residual_std, int64_t n_
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const auto shape = x.sizes().vec();
   const at::Tensor xf = x.reshape({-1, d});
-  const int64_t E = cfg.num_experts, k = cfg.k;
   const bool training = is_training();
+  const bool grads = training && c10::GradMode::is_enabled();
   const Routing r = route(at::linear(xf.to(at::kFloat), router.to(at::kFloat)), cfg, training);
+  at::Tensor out = ep ? experts_across(xf, r) : experts_here(xf, r, grads);
+  if (shared_fc.defined()) {
+    const at::Tensor s = at::linear(nn::swiglu(at::linear(xf, shared_fc)), shared_proj);
+    out = out + at::sigmoid(at::linear(xf, shared_gate)) * s;
+  }
+  if (grads && aux_weight > 0) out = nn::AuxLoss::attach(out, r.aux * aux_weight);
+  return out.view(shape);
+}
+
+at::Tensor MoEImpl::experts_here(const at::Tensor& xf, const Routing& r, bool grads) {
+  const int64_t E = cfg.num_experts, k = cfg.k;
   const at::Tensor weights = r.weights.to(xf.scalar_type()).reshape({-1});  // [S k]
   const at::Tensor live = (r.weights.reshape({-1}) != 0);                    // dropped routes: weight 0
   at::Tensor out = at::zeros_like(xf);
-  const bool grads = training && c10::GradMode::is_enabled();
   const ExpertGroups groups = group_by_expert(r.experts, E);
   int64_t first = 0;
   bool ran = false;
@@ -194,16 +207,78 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     const at::Tensor y = at::linear(h, down[e]) * weights.index_select(0, rows).unsqueeze(1);
     out = out.index_add(0, tokens, y);
   }
-  if (shared_fc.defined()) {
-    const at::Tensor s = at::linear(nn::swiglu(at::linear(xf, shared_fc)), shared_proj);
-    out = out + at::sigmoid(at::linear(xf, shared_gate)) * s;
-  }
   // Every token dropped (a capacity of 0): a zero term keeps the experts' gradients defined, as
   // ZeRO's hooks expect one per parameter each backward. (An expert no token reached gets the
   // zero rows of its slice of gate_up and down, which are one parameter each.)
   if (!ran && grads) out = out + ((router.sum() + gate_up.sum() + down.sum()) * 0).to(out.scalar_type());
-  if (grads && aux_weight > 0) out = nn::AuxLoss::attach(out, r.aux * aux_weight);
-  return out.view(shape);
+  return out;
+}
+
+// Note [Expert parallelism]
+// With ep_size P the E experts spread over the P ranks of an expert-parallel group, L = E / P
+// consecutive ones each (DeepSpeed-MoE). Every rank routes its own tokens (capacity from its own
+// token count, as without experts parallelism), then the kept routes travel to their experts:
+//   1. the routes sorted by expert (so by destination rank), each carrying its token's row;
+//      per-expert counts exchanged first (an all-to-all of P x L integers), so every rank knows
+//      how many rows each source sends each of its experts;
+//   2. dispatch: all-to-all of the rows (variable counts, parallel::all_to_all);
+//   3. each local expert runs over the rows it received from every source at once;
+//   4. combine: the outputs travel back by the reverse all-to-all, in the order they left, and
+//      are added to their tokens times the routing weights, as without parallelism.
+// Both exchanges are differentiable (the gradient goes back by the reverse exchange), and every
+// rank runs both in every forward and backward, with zero rows where it has none, so the
+// collectives stay in step. The shared expert and the router are ordinary replicated
+// parameters; the experts' gradients are summed over the expert-data-parallel group by ZeRO.
+at::Tensor MoEImpl::experts_across(const at::Tensor& xf, const Routing& r) {
+  const int64_t E = cfg.num_experts, k = cfg.k, P = ep->size(), L = E / P;
+  const at::Tensor live = (r.weights.reshape({-1}) != 0);
+  const ExpertGroups groups = group_by_expert(r.experts, E);
+  const at::Tensor rows = groups.order.masked_select(live.index_select(0, groups.order));  // kept routes, by expert
+  const at::Tensor counts = at::bincount(r.experts.reshape({-1}).index_select(0, rows), /*weights=*/{}, E);
+  // 1. How many rows each source sends each local expert: [P sources, L].
+  std::vector<int64_t> per_rank(static_cast<size_t>(P), L);
+  at::Tensor recv_counts = at::empty({P * L}, at::kLong);
+  ep->all_to_all(counts.contiguous(), per_rank, recv_counts, per_rank);
+  const at::Tensor send_rank = counts.view({P, L}).sum(1).contiguous(), recv_rank = recv_counts.view({P, L}).sum(1).contiguous();
+  const std::vector<int64_t> send(send_rank.data_ptr<int64_t>(), send_rank.data_ptr<int64_t>() + P);
+  const std::vector<int64_t> recv(recv_rank.data_ptr<int64_t>(), recv_rank.data_ptr<int64_t>() + P);
+  // 2. Dispatch.
+  const at::Tensor tokens = at::floor_divide(rows, k);
+  const at::Tensor got = parallel::all_to_all(xf.index_select(0, tokens), ep, send, recv);  // [M, d]
+  // 3. The received rows grouped by local expert (source-major within each), each expert once.
+  const at::Tensor expert_of = at::repeat_interleave(at::arange(L, at::kLong).repeat({P}), recv_counts);
+  const at::Tensor by_expert = at::argsort(expert_of * std::max<int64_t>(got.size(0), 1) + at::arange(got.size(0), at::kLong));
+  const at::Tensor per_expert = recv_counts.view({P, L}).sum(0).contiguous();
+  std::vector<at::Tensor> ys;
+  int64_t first = 0;
+  for (int64_t e = 0; e < L; ++e) {
+    const int64_t n = per_expert.data_ptr<int64_t>()[e];
+    if (n == 0) continue;
+    const at::Tensor idx = by_expert.narrow(0, first, n);
+    first += n;
+    ys.push_back(at::linear(nn::swiglu(at::linear(got.index_select(0, idx), gate_up[e])), down[e]));
+  }
+  // Back in arrival order; with no rows, a zero term keeps the chain of exchanges in the graph.
+  at::Tensor y = ys.empty() ? got * 0 : at::cat(ys).index_select(0, at::argsort(by_expert));
+  if (ys.empty() && is_training() && c10::GradMode::is_enabled())
+    y = y + ((gate_up.sum() + down.sum()) * 0).to(y.scalar_type());
+  // 4. Combine.
+  const at::Tensor back = parallel::all_to_all(y, ep, recv, send);  // [kept routes, d], in `rows` order
+  const at::Tensor w = r.weights.reshape({-1}).index_select(0, rows).to(xf.scalar_type()).unsqueeze(1);
+  return at::zeros_like(xf).index_add(0, tokens, back * w);
+}
+
+void MoEImpl::shard_experts(const comm::CommunicatorPtr& group) {
+  TS_CHECK(!ep, "the experts are sharded already");
+  if (!group || group->size() == 1) return;
+  const int P = group->size();
+  TS_CHECK(cfg.num_experts % P == 0, "model.moe.num_experts ", cfg.num_experts, " does not divide by ep_size ", P);
+  c10::NoGradGuard guard;
+  for (at::Tensor* t : {&gate_up, &down}) {
+    t->set_data(parallel::local_experts(*t, group->rank(), P).clone());
+    parallel::mark_expert(*t, P);
+  }
+  ep = group;
 }
 
 }  // namespace torchspeed::models

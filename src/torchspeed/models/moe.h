@@ -6,6 +6,8 @@
 
 #include <torch/nn/module.h>
 
+#include "torchspeed/comm/communicator.h"
+
 #include <nlohmann/json.hpp>
 
 #include <string>
@@ -38,6 +40,10 @@ struct MoEConfig {
   // load_balancing_loss_func's form (all k choices counted), per layer, averaged over the layers.
   std::string aux_loss_type = "deepspeed";
   int64_t shared_d_ff = 0;      // Qwen2-MoE's shared expert (0: none), gated by sigmoid(w x)
+  // Expert parallelism (DeepSpeed's ep_size): the experts spread over this many data-parallel
+  // ranks, tokens sent to their experts' rank and back (Note [Expert parallelism]). How a run
+  // lays the model out, not what the model is: to_json and == leave it out.
+  int64_t ep_size = 1;
   bool enabled() const { return num_experts > 0; }
   bool operator==(const MoEConfig& o) const;
   // From the model section's "moe" object at `path`; errors go to `diag` naming path.key.
@@ -60,22 +66,6 @@ struct MoEConfig {
 // Each layer attaches its weighted l to its output in training (nn/aux_loss.h), which gives it
 // its gradient in backward. Evaluation losses are the language model's alone.
 
-class MoEImpl : public torch::nn::Module {
- public:
-  // d: the model width; residual_std: the output projections' initial std; n_layer: the MoE
-  // layers the "transformers" auxiliary loss is averaged over.
-  MoEImpl(const MoEConfig& c, int64_t d, double residual_std, int64_t n_layer = 1);
-  // x [..., d] -> [..., d].
-  at::Tensor forward(const at::Tensor& x);
-  MoEConfig cfg;
-  int64_t d;
-  double aux_weight;  // the layer's l enters the loss times this
-  // router [E, d]; gate_up [E, 2 f, d] (rows [gate; up], as our fused fc); down [E, d, f];
-  // the shared expert's fc [2 fs, d], proj [d, fs] and gate [1, d].
-  at::Tensor router, gate_up, down, shared_fc, shared_proj, shared_gate;
-};
-TORCH_MODULE(MoE);
-
 // The routing of S tokens (exposed for tests): for each token its k experts [S, k] (int64),
 // weights [S, k] (fp32; 0 where the token was dropped) and, in training, the layer's auxiliary
 // loss l (undefined otherwise).
@@ -83,6 +73,35 @@ struct Routing {
   at::Tensor experts, weights, aux;
 };
 Routing route(const at::Tensor& router_logits, const MoEConfig& c, bool training);
+
+class MoEImpl : public torch::nn::Module {
+ public:
+  // d: the model width; residual_std: the output projections' initial std; n_layer: the MoE
+  // layers the "transformers" auxiliary loss is averaged over.
+  MoEImpl(const MoEConfig& c, int64_t d, double residual_std, int64_t n_layer = 1);
+  // x [..., d] -> [..., d].
+  at::Tensor forward(const at::Tensor& x);
+  // Keeps this rank's experts of the expert-parallel group `ep` (gate_up and down become its
+  // [num_experts / ep size, ...] block, marked as expert parameters); tokens go to their
+  // experts' ranks from now on. Every rank of `ep` calls it, and then runs forward and backward
+  // in step with the others (all-to-all exchanges).
+  void shard_experts(const comm::CommunicatorPtr& ep);
+  MoEConfig cfg;
+  int64_t d;
+  double aux_weight;  // the layer's l enters the loss times this
+  // router [E, d]; gate_up [E, 2 f, d] (rows [gate; up], as our fused fc); down [E, d, f];
+  // the shared expert's fc [2 fs, d], proj [d, fs] and gate [1, d].
+  at::Tensor router, gate_up, down, shared_fc, shared_proj, shared_gate;
+  comm::CommunicatorPtr ep;  // null: every expert here
+
+ private:
+  // y = sum over kept routes of weight * expert(x): this rank's experts here, or (ep) each
+  // route's expert on its rank.
+  at::Tensor experts_here(const at::Tensor& xf, const Routing& r, bool grads);
+  at::Tensor experts_across(const at::Tensor& xf, const Routing& r);
+};
+TORCH_MODULE(MoE);
+
 
 // The S * k routes (row s * k + j: token s's j-th choice) grouped by expert: `order` lists them
 // expert by expert, in token order within each; counts[e] of them go to expert e. Training and

@@ -3,6 +3,7 @@
 
 #include <unordered_map>
 
+#include "torchspeed/parallel/expert.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::zero {
@@ -36,7 +37,7 @@ std::vector<NamedParam> collect_params(const torch::nn::Module& root, const nn::
     int group = 0;  // the first group that claims it, else the optimizer's own
     for (size_t g = 0; g < groups.size() && group == 0; ++g)
       if (groups[g].match && groups[g].match(name, p)) group = static_cast<int>(g) + 1;
-    out.push_back({name, p, layer, {}, !counted || counted(name, p), group});
+    out.push_back({name, p, layer, {}, !counted || counted(name, p), group, parallel::expert_parallel_size(p).has_value()});
   };
   if (stack) {
     for (size_t i = 0; i < stack->size(); ++i) {

@@ -13,10 +13,14 @@ nlohmann::json PartitionLayout::to_json() const {
   for (const auto& u : units) {
     nlohmann::json ps = nlohmann::json::array();
     for (const auto& p : u.params) ps.push_back({p.name, p.offset, p.numel});
-    us.push_back({{"padded", u.padded}, {"shard", u.shard}, {"part_offset", u.part_offset},
-                  {"part_size", u.part_size}, {"params", ps}});
+    nlohmann::json uj = {{"padded", u.padded}, {"shard", u.shard}, {"part_offset", u.part_offset},
+                         {"part_size", u.part_size}, {"params", ps}};
+    if (u.expert) uj["expert"] = true;
+    us.push_back(std::move(uj));
   }
-  return {{"stage", stage}, {"dp", dp}, {"part_numel", part_numel}, {"units", us}};
+  nlohmann::json j = {{"stage", stage}, {"dp", dp}, {"part_numel", part_numel}, {"units", us}};
+  if (ep > 1) j["ep"] = ep;  // absent: 1 (checkpoints from before expert parallelism)
+  return j;
 }
 
 namespace {
@@ -39,6 +43,8 @@ PartitionLayout PartitionLayout::from_json(const nlohmann::json& j, const std::s
   try {
     l.stage = static_cast<int>(layout_int(j.at("stage"), where, "stage", 0, 3));
     l.dp = static_cast<int>(layout_int(j.at("dp"), where, "dp", 1, INT32_MAX));
+    l.ep = j.contains("ep") ? static_cast<int>(layout_int(j.at("ep"), where, "ep", 1, l.dp)) : 1;
+    TS_CHECK(l.dp % l.ep == 0, where, ": malformed ZeRO partition layout: ep ", l.ep, " does not divide dp ", l.dp);
     l.part_numel = layout_int(j.at("part_numel"), where, "part_numel", 0, kMax);
     for (const auto& uj : j.at("units")) {
       UnitLayout u;
@@ -46,6 +52,10 @@ PartitionLayout PartitionLayout::from_json(const nlohmann::json& j, const std::s
       u.shard = layout_int(uj.at("shard"), where, "shard", 0, kMax);
       u.part_offset = layout_int(uj.at("part_offset"), where, "part_offset", 0, kMax);
       u.part_size = layout_int(uj.at("part_size"), where, "part_size", 0, kMax);
+      if (uj.contains("expert")) {
+        TS_CHECK(uj.at("expert").is_boolean(), where, ": malformed ZeRO partition layout: a unit's expert must be a boolean");
+        u.expert = uj.at("expert").get<bool>();
+      }
       for (const auto& pj : uj.at("params"))
         u.params.push_back({pj.at(0).get<std::string>(),
                             layout_int(pj.at(1), where, "a parameter's offset", 0, kMax),
@@ -58,7 +68,8 @@ PartitionLayout PartitionLayout::from_json(const nlohmann::json& j, const std::s
   // Every value is >= 0, so the checks below are written not to overflow: shard * dp == padded
   // as a division, a + b <= c as a <= c - b.
   for (const auto& u : l.units) {
-    TS_CHECK(u.padded % l.dp == 0 && u.shard == u.padded / l.dp &&
+    const int g = l.group_size(u);
+    TS_CHECK(u.padded % g == 0 && u.shard == u.padded / g &&
                  u.part_size == (l.stage == 0 ? u.padded : u.shard) &&
                  u.part_size <= l.part_numel && u.part_offset <= l.part_numel - u.part_size,
              where, ": inconsistent unit in the partition layout (padded ", u.padded, ", shard ",
@@ -77,7 +88,9 @@ std::vector<Piece> pieces(const PartitionLayout& layout, int rank) {
     const int64_t lo = layout.range_begin(u, rank), hi = lo + u.part_size;
     for (const auto& p : u.params) {
       const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel);
-      if (a < b) out.push_back({p.name, a - p.offset, b - a, u.part_offset + (a - lo)});
+      // An expert parameter's block of this rank's experts starts at block (rank % ep).
+      const int64_t block = u.expert ? (rank % layout.ep) * p.numel : 0;
+      if (a < b) out.push_back({p.name, block + a - p.offset, b - a, u.part_offset + (a - lo), u.expert});
     }
   }
   return out;

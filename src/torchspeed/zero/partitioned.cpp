@@ -97,7 +97,7 @@ void PartitionedGradients::launch(size_t ui) {
     if (at_ < u.padded) u.grad.narrow(0, at_, u.padded - at_).zero_();
   }
   at::Tensor buf = start_reduction(ui, reduce_scatter_);
-  if (!reduce_scatter_) u.recv = buf.narrow(0, dp_rank_ * u.shard, u.shard);  // in place: this rank's shard
+  if (!reduce_scatter_) u.recv = buf.narrow(0, u.grank * u.shard, u.shard);  // in place: this rank's shard
 }
 
 void PartitionedGradients::finalize(size_t ui) {
@@ -207,7 +207,7 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
     }
     at::Tensor mine = u.shard_param;
     if (!mine.defined()) {  // offloaded: the shard comes from its file into its slot
-      mine = u.full.narrow(0, dp_->rank() * u.shard, u.shard);
+      mine = u.full.narrow(0, u.grank * u.shard, u.shard);
       shards_->read(u.index, mine.data_ptr());
     }
     if (quantized_) {  // qwZ: every rank's shard as int8 blocks, decoded in finish_gather
@@ -219,7 +219,7 @@ class ParameterGatherer final : public LayerHooks, public std::enable_shared_fro
       u.gather_work = dp_->all_gather_async(row, u.qw_wire);
       return;
     }
-    u.gather_work = dp_->all_gather_async(mine, u.full);
+    u.gather_work = u.group->all_gather_async(mine, u.full);  // the data-parallel group, or for experts theirs
   }
 
   // The gather has completed: decode qwZ's rows, keep hpZ's secondary shard.
@@ -371,7 +371,7 @@ void PartitionedParameters::allocate(Unit& u) {
     shards_->open(std::move(bytes));
     shards_open_ = true;
   }
-  at::Tensor mine = u.full.narrow(0, dp_rank_ * u.shard, u.shard);
+  at::Tensor mine = u.full.narrow(0, u.grank * u.shard, u.shard);
   if (offloaded(u)) {
     shards_->write(u.index, mine.data_ptr());
   } else {

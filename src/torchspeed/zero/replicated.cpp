@@ -53,7 +53,7 @@ void ReplicatedGradients::finalize(size_t ui) {
   u.work.reset();
   if (reduce_scatter_) {
     after_reduce(u.recv);
-    u.grad.narrow(0, dp_rank_ * u.shard, u.shard).copy_(u.recv);
+    u.grad.narrow(0, u.grank * u.shard, u.shard).copy_(u.recv);
     transient_.add(-u.recv.nbytes() - (u.comm_buf.defined() ? u.comm_buf.nbytes() : 0));
     u.recv = at::Tensor();
     u.comm_buf = at::Tensor();
@@ -68,7 +68,7 @@ void ReplicatedGradients::finalize(size_t ui) {
   }
 }
 
-at::Tensor ReplicatedGradients::owned_grad(Unit& u) { return u.grad.narrow(0, dp_rank_ * u.shard, u.shard); }
+at::Tensor ReplicatedGradients::owned_grad(Unit& u) { return u.grad.narrow(0, u.grank * u.shard, u.shard); }
 
 at::Tensor ReplicatedGradients::update_grad(Unit& u) { return u.grad.narrow(0, u.update_begin, u.part_size); }
 

@@ -110,6 +110,12 @@ std::vector<std::vector<NamedParam>> units_by_bucket(std::vector<NamedParam> par
   std::vector<NamedParam> current;
   int64_t current_numel = 0;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    if (!current.empty() && current.back().expert != it->expert) {  // experts reduce over another group
+      std::reverse(current.begin(), current.end());
+      groups.push_back(std::move(current));
+      current.clear();
+      current_numel = 0;
+    }
     current_numel += it->param.numel();
     current.push_back(std::move(*it));
     if (current_numel >= bucket_numel) {
@@ -128,10 +134,10 @@ std::vector<std::vector<NamedParam>> units_by_bucket(std::vector<NamedParam> par
 }
 
 std::vector<std::vector<NamedParam>> units_by_layer(std::vector<NamedParam> params, int num_layers) {
-  std::vector<std::vector<NamedParam>> groups(static_cast<size_t>(num_layers));
+  std::vector<std::vector<NamedParam>> groups(2 * static_cast<size_t>(num_layers));  // per layer: others, experts
   for (auto& p : params) {
     TS_CHECK(p.layer >= 0 && p.layer < num_layers, "parameter '", p.name, "' has no layer");
-    groups[static_cast<size_t>(p.layer)].push_back(std::move(p));
+    groups[2 * static_cast<size_t>(p.layer) + (p.expert ? 1 : 0)].push_back(std::move(p));
   }
   groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& g) { return g.empty(); }), groups.end());
   return groups;
@@ -150,6 +156,18 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
            "momentum, which every rank holds)");
   dp_size_ = dp_->size();
   dp_rank_ = dp_->rank();
+  if (const auto& ep = options_.expert_parallel(); ep && ep->size() > 1) {
+    ep_size_ = ep->size();
+    const auto& edp = options_.expert_data_parallel();
+    TS_CHECK(edp && edp->size() * ep_size_ == dp_size_, "expert parallelism needs the expert-data-parallel group (",
+             edp ? edp->size() : 0, " ranks) times the expert-parallel group (", ep_size_, ") to make the data-parallel group (",
+             dp_size_, ")");
+    TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD", "optimizer ", opt_.type,
+             " with expert parallelism (model.moe.ep_size ", ep_size_, ") is not implemented: use Adam, AdamW or SGD");
+    TS_CHECK(!options_.quantized_gradients() && !options_.quantized_weights() && options_.hpz_partition_size() == 1,
+             "ZeRO++ (zero_quantized_gradients, zero_quantized_weights, zero_hpz_partition_size) with expert parallelism "
+             "(model.moe.ep_size ", ep_size_, ") is not implemented");
+  }
   TS_CHECK(!options_.quantized_gradients() || ((strategy == Stage::k2 || strategy == Stage::k3) && options_.reduce_scatter()),
            "zero_quantized_gradients (qgZ) needs stage 2 or 3 with reduce_scatter");
   TS_CHECK(options_.hpz_partition_size() == 1 || strategy == Stage::k3,
@@ -175,11 +193,16 @@ ZeroOptimizer::~ZeroOptimizer() {
 }
 
 void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
-  const int64_t align = 16 * dp_size_;
   const int max_group = static_cast<int>(opt_.groups.size());
   for (auto& g : groups) {
     auto u = std::make_unique<Unit>();
+    u->expert = !g.empty() && g.front().expert && ep_size_ > 1;
+    u->group = u->expert ? options_.expert_data_parallel() : dp_;
+    u->grank = u->group->rank();
+    u->gsize = u->group->size();
     for (auto& p : g) {
+      TS_INTERNAL_ASSERT(p.expert == g.front().expert, "parameter '", p.name, "' in a unit of ",
+                         g.front().expert ? "experts" : "non-experts");
       TS_CHECK(p.group >= 0 && p.group <= max_group, "parameter '", p.name, "' is in parameter group ", p.group,
                " but the optimizer has groups 0-", max_group);
       TS_CHECK(p.param.defined() && p.param.is_floating_point(), "parameter '", p.name,
@@ -199,9 +222,9 @@ void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
       u->numel += up.numel;
       u->params.push_back(std::move(up));
     }
-    u->padded = round_up(std::max<int64_t>(u->numel, 1), align);
-    u->shard = u->padded / dp_size_;
-    u->update_begin = sharded_ ? dp_rank_ * u->shard : 0;
+    u->padded = round_up(std::max<int64_t>(u->numel, 1), 16 * int64_t{u->gsize});
+    u->shard = u->padded / u->gsize;
+    u->update_begin = sharded_ ? u->grank * u->shard : 0;
     u->part_offset = part_numel_;
     u->part_size = sharded_ ? u->shard : u->padded;
     part_numel_ += u->part_size;
@@ -410,9 +433,12 @@ at::Tensor ZeroOptimizer::comm_buffer(Unit& u, comm::ReduceOp& op) {
     buf = u.comm_buf;
   }
   // DeepSpeed's averaging: postscale (default) divides after the sum, optionally with a
-  // predivide factor; prescale divides before.
+  // predivide factor; prescale divides before. Always by the data-parallel size: an expert's
+  // gradient sums over its expert-data-parallel group what every rank's tokens gave it
+  // (Note [Expert units]).
   op = comm::ReduceOp::kAvg;
   const double f = options_.gradient_predivide_factor();
+  if (u.expert && !options_.prescale_gradients() && f == 1.0) buf.mul_(1.0 / ep_size_);  // kAvg divides by the rest
   if (options_.prescale_gradients()) {
     buf.mul_(1.0 / dp_size_);
     op = comm::ReduceOp::kSum;
@@ -436,10 +462,10 @@ at::Tensor ZeroOptimizer::start_reduction(size_t ui, bool scatter) {
       u.work = qgz_->run_async(in, out, op);
       if (!out.is_same(u.recv)) u.work = std::make_shared<ThenWork>(u.work, [in, out, recv = u.recv] { recv.copy_(out); });
     } else {
-      u.work = dp_->reduce_scatter_async(buf, u.recv, op);
+      u.work = u.group->reduce_scatter_async(buf, u.recv, op);
     }
   } else {
-    u.work = dp_->all_reduce_async(buf, op);
+    u.work = u.group->all_reduce_async(buf, op);
   }
   in_flight_.push_back(ui);
   return buf;
@@ -479,7 +505,7 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
     at::Tensor g = owned_grad(*u);  // unit elements [lo, lo + shard)
     // Sum over the owned range, skipping parameters counted on another rank (tied copies on
     // later stages, replicated parameters on tensor-parallel ranks > 0); params are in offset order.
-    const int64_t lo = dp_rank_ * u->shard, hi = lo + u->shard;
+    const int64_t lo = u->grank * u->shard, hi = lo + u->shard;
     int64_t pos = lo;
     auto add = [&](int64_t a, int64_t b) {
       if (a < b) local_sq += optim::sum_squares(g.narrow(0, a - lo, b - a).data_ptr(), g.scalar_type(), b - a);
@@ -596,7 +622,7 @@ void ZeroOptimizer::gather_updated() {
   for (auto& up : units_) {
     Unit& u = *up;
     if (!u.persistent) continue;  // stage 3 layers are gathered when they next run
-    works.push_back(dp_->all_gather_async(u.full.narrow(0, dp_rank_ * u.shard, u.shard), u.full));
+    works.push_back(u.group->all_gather_async(u.full.narrow(0, u.grank * u.shard, u.shard), u.full));
   }
   for (auto& w : works) w->wait();
 }
@@ -639,9 +665,20 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroOptimizer::gather_master() {
     at::Tensor whole = local.to(at::kFloat).contiguous();
     if (sharded_) {
       whole = at::empty({u.padded}, at::kFloat);
-      dp_->all_gather(local.to(at::kFloat).contiguous(), whole);
+      u.group->all_gather(local.to(at::kFloat).contiguous(), whole);
     }
-    for (auto& p : u.params) out.emplace_back(p.name, whole.narrow(0, p.offset, p.numel).view(p.shape).clone());
+    if (!u.expert) {
+      for (auto& p : u.params) out.emplace_back(p.name, whole.narrow(0, p.offset, p.numel).view(p.shape).clone());
+      continue;
+    }
+    // Every expert: the expert-parallel ranks' units, each parameter's blocks in rank order.
+    at::Tensor all = at::empty({ep_size_ * u.padded}, at::kFloat);
+    options_.expert_parallel()->all_gather(whole, all);
+    for (auto& p : u.params) {
+      std::vector<at::Tensor> blocks;
+      for (int r = 0; r < ep_size_; ++r) blocks.push_back(all.narrow(0, r * u.padded + p.offset, p.numel).view(p.shape));
+      out.emplace_back(p.name, at::cat(blocks));
+    }
   }
   return out;
 }
@@ -787,9 +824,10 @@ PartitionLayout ZeroOptimizer::layout() const {
   PartitionLayout l;
   l.stage = stage_number(strategy_);
   l.dp = dp_size_;
+  l.ep = ep_size_;
   l.part_numel = part_numel_;
   for (const auto& up : units_) {
-    UnitLayout u{up->padded, up->shard, up->part_offset, up->part_size, {}};
+    UnitLayout u{up->padded, up->shard, up->part_offset, up->part_size, {}, up->expert};
     for (const auto& p : up->params) u.params.push_back({p.name, p.offset, p.numel});
     l.units.push_back(std::move(u));
   }
@@ -804,8 +842,13 @@ std::vector<std::string> ZeroOptimizer::state_kinds() const {
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> ZeroOptimizer::param_shapes() const {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-  for (const auto& u : units_)
-    for (const auto& p : u->params) out.emplace_back(p.name, p.shape);
+  for (const auto& u : units_) {
+    for (const auto& p : u->params) {
+      std::vector<int64_t> shape = p.shape;  // an expert parameter's whole shape: every rank's experts
+      if (u->expert) shape.at(0) *= ep_size_;
+      out.emplace_back(p.name, shape);
+    }
+  }
   return out;
 }
 

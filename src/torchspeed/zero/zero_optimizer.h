@@ -87,6 +87,12 @@ struct ZeroOptions {
   // The other ranks holding the rest of the model (pipeline stages): the gradient norm and the
   // overflow decision cover the whole model. Null: this rank holds all of it.
   TORCH_ARG(comm::CommunicatorPtr, norm_group) = nullptr;
+  // Expert parallelism (parallel/expert.h): the expert-parallel group and the
+  // expert-data-parallel group, over which parameters marked as experts (NamedParam::expert)
+  // reduce, partition and gather instead of the data-parallel group (Note [Expert units] in
+  // zero_optimizer.cpp). Null: no expert parallelism.
+  TORCH_ARG(comm::CommunicatorPtr, expert_parallel) = nullptr;
+  TORCH_ARG(comm::CommunicatorPtr, expert_data_parallel) = nullptr;
   // Where the optimizer partition (masters, moments) lives; null: a MemoryStore (RAM).
   TORCH_ARG(PartitionStorePtr, state_store) = nullptr;
   // Stage 3: where idle parameter shards live; null: RAM. With one, the fp32 masters are a
@@ -129,6 +135,9 @@ struct NamedParam {
   // its gradient counts once in the global norm.
   bool count_in_norm = true;
   int group = 0;  // parameter group (OptimizerSpec::groups)
+  // This rank's experts of an expert-parallel layer (parallel::mark_expert): reduced over the
+  // expert-data-parallel group; its whole value spans the expert-parallel group's ranks.
+  bool expert = false;
 };
 
 struct StepResult {
@@ -302,6 +311,7 @@ class ZeroOptimizer {
   Stage strategy_;
   bool sharded_;
   int dp_size_, dp_rank_;
+  int ep_size_ = 1;  // expert-parallel size (1: none)
   at::ScalarType accum_dtype_;
   std::vector<std::unique_ptr<detail::Unit>> units_;
   int64_t total_numel_ = 0;

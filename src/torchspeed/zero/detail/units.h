@@ -41,6 +41,11 @@ struct Piece {
 struct Unit {
   size_t index = 0;  // in the optimizer's units (stack order)
   std::vector<UnitParam> params;
+  // The group the unit reduces, partitions and gathers over: the data-parallel group, or for
+  // experts the expert-data-parallel group (Note [Expert units]); this rank's place in it.
+  bool expert = false;
+  comm::CommunicatorPtr group;
+  int grank = 0, gsize = 1;
   int64_t numel = 0, padded = 0, shard = 0;
   int64_t part_offset = 0, part_size = 0;  // this unit's range in the partition buffers
   int64_t update_begin = 0;  // where this rank's update range starts in the unit
@@ -75,9 +80,10 @@ struct Unit {
 };
 
 // Parameters grouped into units: reverse model order cut at `bucket_numel` elements, returned in
-// model order (gradients become ready roughly in reverse order).
+// model order (gradients become ready roughly in reverse order). Expert parameters never share a
+// unit with others.
 std::vector<std::vector<NamedParam>> units_by_bucket(std::vector<NamedParam> params, int64_t bucket_numel);
-// One unit per LayerStack layer.
+// One unit per LayerStack layer (two where it has experts: the others', then the experts').
 std::vector<std::vector<NamedParam>> units_by_layer(std::vector<NamedParam> params, int num_layers);
 
 }  // namespace torchspeed::zero::detail
