@@ -18,6 +18,12 @@ for f in llama2 llama3 smollm2 mistral qwen2 qwen3 mixtral qwen2_moe qwen3_moe; 
   "$py" "$here/families_parity.py" logits "fam/$f" "$f.safetensors"
   "$py" "$here/families_parity.py" serve "fam/$f" --cli "$cli"
 done
+# Serving the MoE families on 2 ranks (--tp 2): attention split by heads, the experts spread over
+# the ranks (half each; Qwen2-MoE's shared expert on the first), one all-reduce of the experts'
+# sum per layer: the same greedy tokens, log-probabilities within 1e-4.
+for f in mixtral qwen2_moe; do
+  "$py" "$here/families_parity.py" serve "fam/$f" --cli "$cli" --tp 2
+done
 # bf16 weights: rounding each weight to 8 bits of mantissa moves these log-probabilities by up to
 # a few hundredths (measured 0.02-0.05 on these random models); 0.1 bounds it.
 for f in llama3 qwen3; do

@@ -221,9 +221,9 @@ def serve(args):
         logp = torch.log_softmax(model(torch.tensor([out])).logits[0].double(), -1)
     ref_lp = [logp[i - 1, out[i]].item() for i in range(1, len(out))]
     port = free_port()
-    log = open(os.path.basename(args.dir) + ".serve-%s.log" % args.weights, "w")
+    log = open(os.path.basename(args.dir) + ".serve-%s-tp%d.log" % (args.weights, args.tp), "w")
     cmd = [args.cli, "serve", "--checkpoint", args.dir, "--host", "127.0.0.1", "--port", str(port), "--weights",
-           args.weights, "--served-model-name", "m"]
+           args.weights, "--served-model-name", "m", "--tp", str(args.tp)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -376,6 +376,7 @@ def main():
     s.add_argument("dir")
     s.add_argument("--cli", required=True)
     s.add_argument("--weights", default="fp32")
+    s.add_argument("--tp", type=int, default=1, help="serve --tp (a MoE model: its experts spread over the ranks)")
     s.add_argument("--tol", type=float, default=1e-4)
     s.add_argument("--text")
     s.add_argument("--chat", help="also ask this through /v1/chat/completions (the model's chat template)")

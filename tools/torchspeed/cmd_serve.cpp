@@ -167,10 +167,15 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
   cmd->add_option("--max-connections", o->max_connections, "Client connections open at once (503 past it)")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--max-request-tokens", o->max_request_tokens, "Largest prompts x n x (prompt + max_tokens) of one request (0: the KV cache's tokens)")->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   cmd->add_option("--drain-timeout", o->drain_timeout, "Seconds a stop signal lets running requests finish before aborting them (a second signal exits at once)")->check(CLI::Range(0.0, 1e6));
-  cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun (equal to --tp)")->check(CLI::Range(1, 1024));
-  cmd->add_option("--tp", o->tp, "Tensor-parallel ranks the weights are split over")->check(CLI::Range(1, 1024));
+  CLI::Option* ranks =
+      cmd->add_option("-n,--num-ranks", o->ranks, "Ranks to launch when not under mpirun (equal to --tp; default: --tp)")
+          ->check(CLI::Range(1, 1024));
+  cmd->add_option("--tp", o->tp, "Tensor-parallel ranks the weights are split over (a Mixture-of-Experts model's experts too)")
+      ->check(CLI::Range(1, 1024));
   cmd->add_option("--stop-file", o->stop_file, "Drain and exit when this file appears")->group("");
-  return [o, &inv]() -> int {
+  return [o, &inv, ranks]() -> int {
+    // --tp alone launches its ranks, as vLLM's --tensor-parallel-size does.
+    if (ranks->count() == 0 && !launcher::under_launcher()) o->ranks = o->tp;
     TS_CHECK(o->ranks == o->tp || (launcher::under_launcher() && o->ranks == 1),
              "serve: -n ", o->ranks, " and --tp ", o->tp, " differ; every rank serves one tensor-parallel slice, give both the same value");
     TS_CHECK(!o->auto_tool_choice || !o->tool_parser.empty(),

@@ -263,13 +263,13 @@ InferenceModel::InferenceModel(const checkpoint::Model& model, WeightFormat form
     L.proj = ServingLinear(split(p.take(b + "attn_proj.weight"), cols), maybe(cfg_.attn_out_bias, b + "attn_proj.bias"),
                            format, bf16_dot);
     if (cfg_.moe.enabled()) {
-      TS_CHECK(!tp_, "serving a Mixture-of-Experts model with --tp ", tps, " is not implemented (expert parallelism): serve it "
-                     "with --tp 1");
       const models::MoEConfig m = cfg_.experts();
       L.moe = true;
       L.router = ServingLinear(p.take(b + "moe.router"), at::Tensor(), WeightFormat::kFP32);
       const at::Tensor gu = p.take(b + "moe.gate_up"), dn = p.take(b + "moe.down");
-      for (int64_t e = 0; e < m.num_experts; ++e) {
+      // Expert parallelism over the --tp ranks: consecutive blocks of experts (Note [Serving experts]).
+      L.expert_first = tpr * m.num_experts / tps;
+      for (int64_t e = L.expert_first; e < (tpr + 1) * m.num_experts / tps; ++e) {
         L.expert_fc.emplace_back(gu[e].contiguous(), at::Tensor(), format, bf16_dot);
         L.expert_mlp.emplace_back(dn[e].contiguous(), at::Tensor(), format, bf16_dot);
       }
@@ -535,9 +535,11 @@ int64_t InferenceModel::weight_bytes() const {
       b += L.fc.weight_bytes() + L.mlp.weight_bytes();
       continue;
     }
-    // A decode step reads the router, k experts per token (all of them at most) and the shared one.
+    // A decode step reads the router, k experts per token (this rank's at most) and the shared one.
     const models::MoEConfig m = cfg_.experts();
-    b += L.router.weight_bytes() + m.k * (L.expert_fc[0].weight_bytes() + L.expert_mlp[0].weight_bytes());
+    const auto local = static_cast<int64_t>(L.expert_fc.size());
+    b += L.router.weight_bytes();
+    if (local > 0) b += std::min(m.k, local) * (L.expert_fc[0].weight_bytes() + L.expert_mlp[0].weight_bytes());
     if (m.shared_d_ff > 0) b += L.shared_fc.weight_bytes() + L.shared_mlp.weight_bytes() + L.shared_gate.weight_bytes();
   }
   return b;
@@ -550,6 +552,11 @@ int64_t InferenceModel::weight_bytes() const {
 // row's choice has the same bits in any batch. Each expert runs over its rows (gathered in row
 // order, so its decode rows lead and take the row kernel), and its output times the routing
 // weight is added to the residual in expert order, as transformers' loop adds them.
+// With --tp the attention splits by heads as for a dense model and the experts spread over the
+// ranks (vLLM's expert parallelism beside tensor parallelism): every rank routes the same rows
+// (the activations are replicated), runs only its own experts over their rows, and one
+// all-reduce per layer sums the ranks' updates (the shared expert counted on rank 0). A row's
+// sum does not depend on the other rows, so batching still changes no bits.
 void InferenceModel::experts_add(const Layer& L, const at::Tensor& h, int64_t decode_rows, at::Tensor& x) const {
   models::MoEConfig m = cfg_.experts();
   m.drop_tokens = false;
@@ -559,24 +566,26 @@ void InferenceModel::experts_add(const Layer& L, const at::Tensor& h, int64_t de
   const models::ExpertGroups groups = models::group_by_expert(r.experts, m.num_experts);
   at::Tensor update = at::zeros_like(x);
   int64_t first = 0;
+  const auto local = static_cast<int64_t>(L.expert_fc.size());
   for (int64_t e = 0; e < m.num_experts; ++e) {
     const int64_t n = groups.counts[static_cast<size_t>(e)];
-    if (n == 0) continue;
     const at::Tensor sel = groups.order.narrow(0, first, n);
     first += n;
+    if (n == 0 || e < L.expert_first || e >= L.expert_first + local) continue;  // none, or another rank's
+    const auto i = static_cast<size_t>(e - L.expert_first);
     const at::Tensor rows = at::floor_divide(sel, m.k);
     const int64_t kernel_rows = (rows < decode_rows).sum().item<int64_t>();
-    const at::Tensor f =
-        silu_gate_up(L.expert_fc[static_cast<size_t>(e)].forward(h.index_select(0, rows).contiguous(), kernel_rows, false));
-    at::Tensor y = L.expert_mlp[static_cast<size_t>(e)].forward(f, kernel_rows, false);
+    const at::Tensor f = silu_gate_up(L.expert_fc[i].forward(h.index_select(0, rows).contiguous(), kernel_rows, false));
+    at::Tensor y = L.expert_mlp[i].forward(f, kernel_rows, false);
     y.mul_(weights.index_select(0, sel).unsqueeze(1));
     update.index_add_(0, rows, y);
   }
-  if (m.shared_d_ff > 0) {
+  if (m.shared_d_ff > 0 && (!tp_ || tp_->rank() == 0)) {
     at::Tensor s = L.shared_mlp.forward(silu_gate_up(L.shared_fc.forward(h, decode_rows, false)), decode_rows, false);
     s.mul_(at::sigmoid(L.shared_gate.forward(h, decode_rows, false)));
     update.add_(s);
   }
+  if (tp_) tp_->all_reduce(update);
   x.add_(update);
 }
 

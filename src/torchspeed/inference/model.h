@@ -87,10 +87,12 @@ class InferenceModel {
     at::Tensor q_norm, k_norm;              // Qwen3's per-head RMSNorm weights [head_dim]
     ServingLinear qkv, proj, fc, mlp;  // fc, mlp: a dense MLP
     // A Mixture-of-Experts MLP instead (Note [Serving experts]): the router (fp32 always), each
-    // expert's [gate; up] and down linears, Qwen2-MoE's shared expert and its gate.
+    // expert's [gate; up] and down linears, Qwen2-MoE's shared expert and its gate. With --tp the
+    // experts spread over the ranks: this rank's are experts [expert_first, + expert_fc.size()).
     bool moe = false;
     ServingLinear router, shared_fc, shared_mlp, shared_gate;
     std::vector<ServingLinear> expert_fc, expert_mlp;
+    int64_t expert_first = 0;
   };
   // x += the MoE MLP of layer L over its input h [N, d].
   void experts_add(const Layer& L, const at::Tensor& h, int64_t decode_rows, at::Tensor& x) const;
