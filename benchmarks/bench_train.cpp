@@ -4,7 +4,9 @@
 // `torchspeed train` itself. The models: GPT-2 shapes (pre-LN, GELU, tied head; the peers run
 // benchmarks/peers_gpt.py's copy of it) and SmolLM2-135M's Llama shape, where the peers run
 // transformers' LlamaForCausalLM and every implementation trains the same weights (a folder
-// transformers writes once per run), in fp32 and in bf16. Every implementation runs once per round,
+// transformers writes once per run), in fp32 and in bf16; and a Mixture-of-Experts GPT at expert
+// parallelism 1 and 2 beside DeepSpeed-MoE at the same (benchmarks/peers_gpt.py --arch moe).
+// Every implementation runs once per round,
 // rounds alternate the order, and the tables show medians. Our rows carry a step breakdown
 // (GEMM, attention, other operators, optimizer, communication wait) from one profiled step and
 // MFU against the fp32 GEMM rate measured at the model's shapes on both ranks at once.
@@ -57,7 +59,18 @@ std::vector<ModelCase> cases(bool quick) {
   d256.seq_len = 128; d256.d_model = 256; d256.n_layer = 4; d256.n_head = 4;
   models::GPTConfig d768;
   d768.seq_len = 256; d768.d_model = 768; d768.n_layer = 12; d768.n_head = 12;
-  return {{"gpt-d256", d256, 8, 2, 8}, {"gpt-d768", d768, 4, 1, 3}, {"smollm2-135m", smollm2_135m(), 2, 2, 3, true}};
+  // The MoE shape: gpt-d256's with 8 SwiGLU experts of width 512 per block, 2 per token,
+  // DeepSpeed's capacity factor 1 (tokens dropped), its load-balancing loss x 0.01.
+  models::GPTConfig moe = d256;
+  moe.activation = "swiglu";
+  moe.mlp_bias = false;
+  moe.moe.num_experts = 8;
+  moe.moe.k = 2;
+  moe.moe.d_ff = 512;
+  return {{"gpt-d256", d256, 8, 2, 8},
+          {"gpt-d768", d768, 4, 1, 3},
+          {"smollm2-135m", smollm2_135m(), 2, 2, 3, true},
+          {"gpt-moe-d256", moe, 8, 2, 6}};
 }
 
 ModelCase find_case(const std::string& name) {
@@ -156,6 +169,8 @@ int run_train_engine_part(const BenchArgs& args) {
   const ModelCase mc = find_case(spec.at("case"));
   const int stage = spec.at("stage");
   const bool bf16 = spec.at("precision") == "bf16";
+  models::GPTConfig gpt = mc.gpt;
+  gpt.moe.ep_size = spec.value("ep", 1);  // expert parallelism (the MoE case)
   config::WorldShape shape;
   shape.world_size = 2;
   nlohmann::json ds = {
@@ -176,6 +191,9 @@ int run_train_engine_part(const BenchArgs& args) {
     auto init = std::make_shared<std::map<std::string, at::Tensor>>();
     for (const auto& [name, t] : model.params) (*init)[name] = t;
     engine = initialize(rt, models::gpt_spec(mc.gpt, 0, nullptr, init), cfg);
+  } else if (gpt.moe.ep_size > 1) {
+    const auto groups = make_groups(rt, cfg, static_cast<int>(gpt.moe.ep_size));
+    engine = initialize(groups, models::gpt_spec(gpt, 0, nullptr, nullptr, nullptr, groups.ep), cfg);
   } else {
     engine = initialize(rt, models::make_gpt(mc.gpt), cfg);
   }
@@ -284,24 +302,33 @@ int run_train(const BenchArgs& args, const std::string& self) {
       }
     }
     std::vector<Impl> impls;
-    auto ours = [&](int stage, const std::string& prec) {
+    const bool moe = g.moe.enabled();
+    auto ours = [&](int stage, const std::string& prec, int ep = 1) {
       launcher::LaunchOptions lo;
       lo.num_ranks = 2;
-      nlohmann::json spec = {{"case", mc.name}, {"stage", stage}, {"precision", prec}};
+      nlohmann::json spec = {{"case", mc.name}, {"stage", stage}, {"precision", prec}, {"ep", ep}};
       if (!init.empty()) spec["init"] = init;
       lo.program = {self, "bench", "train", "--engine-part", "--spec", spec.dump()};
-      impls.push_back({concat("torchspeed ZeRO-", stage, " ", prec), "ours",
+      impls.push_back({concat("torchspeed ZeRO-", stage, " ", prec, ep > 1 ? concat(" ep", ep) : std::string()), "ours",
                        launcher::build_command(lo, launcher::LaunchContext::current())});
     };
     ours(2, "fp32");
-    ours(3, "fp32");
-    ours(2, "bf16");
+    if (moe) {
+      ours(2, "fp32", 2);  // DeepSpeed-MoE has no ZeRO-3 (its engine refuses MoE at stage 3)
+    } else {
+      ours(3, "fp32");
+      ours(2, "bf16");
+    }
     if (mc.llama) ours(3, "bf16");
     std::vector<std::string> model_args = {
         "--seq", std::to_string(g.seq_len), "--d_model", std::to_string(g.d_model), "--layers", std::to_string(g.n_layer),
         "--heads", std::to_string(g.n_head), "--micro", std::to_string(mc.micro), "--steps", std::to_string(mc.steps),
         "--warmup", std::to_string(mc.warmup), "--vocab", std::to_string(g.vocab)};
     if (mc.llama) model_args.insert(model_args.end(), {"--arch", "llama", "--init", init});
+    if (moe) {
+      model_args.insert(model_args.end(), {"--arch", "moe", "--experts", std::to_string(g.moe.num_experts), "--k",
+                                           std::to_string(g.moe.k), "--d_ff", std::to_string(g.experts().d_ff)});
+    }
     auto peer = [&](const std::string& name, const std::string& py, std::vector<std::string> extra) {
       std::vector<std::string> argv = {py, src + "/benchmarks/peers_gpt.py", "--nproc", "2", "--port",
                                        std::to_string(port++)};
@@ -309,7 +336,10 @@ int run_train(const BenchArgs& args, const std::string& self) {
       argv.insert(argv.end(), model_args.begin(), model_args.end());
       impls.push_back({name, "peer", argv});
     };
-    if (!bench_py.empty()) {
+    if (!bench_py.empty() && moe) {
+      peer("DeepSpeed-MoE ZeRO-2", bench_py, {"--impl", "deepspeed", "--stage", "2", "--ep", "1"});
+      peer("DeepSpeed-MoE ZeRO-2 ep2", bench_py, {"--impl", "deepspeed", "--stage", "2", "--ep", "2"});
+    } else if (!bench_py.empty()) {
       peer("PyTorch 2.x DDP", bench_py, {"--impl", "ddp"});
       peer("DeepSpeed ZeRO-2", bench_py, {"--impl", "deepspeed", "--stage", "2"});
       peer("DeepSpeed ZeRO-3", bench_py, {"--impl", "deepspeed", "--stage", "3"});
@@ -319,7 +349,7 @@ int run_train(const BenchArgs& args, const std::string& self) {
         peer("DeepSpeed ZeRO-3 bf16", bench_py, {"--impl", "deepspeed", "--stage", "3", "--bf16"});
       }
     }
-    if (debian_torch && !mc.llama) peer("PyTorch 1.13 DDP (Debian)", "/usr/bin/python3", {"--impl", "ddp"});
+    if (debian_torch && !mc.llama && !moe) peer("PyTorch 1.13 DDP (Debian)", "/usr/bin/python3", {"--impl", "ddp"});
     if (mc.name == "gpt-d256" || mc.name == "gpt-tiny") {
       // The main job on the same shape: torchspeed train, ZeRO-2 fp32, real data, its own loop.
       const std::string cfg_path = tmp_path(mc.name + ".json"), out_dir = tmp_path(mc.name + "-run");
@@ -359,13 +389,16 @@ int run_train(const BenchArgs& args, const std::string& self) {
     }
     auto med = [&](const std::string& name) { return tps.count(name) ? median(tps[name]) : 0.0; };
     const double ours2 = med("torchspeed ZeRO-2 fp32"), ours3 = med("torchspeed ZeRO-3 fp32");
-    // Each row against our ZeRO-2 and ZeRO-3 rows of the same precision (bf16 rows: ours in bf16).
+    // Each row against our ZeRO-2 and ZeRO-3 rows of the same precision (bf16 rows: ours in bf16);
+    // the MoE case against our ZeRO-2 at ep 1 and ep 2.
     auto is_bf16 = [](const std::string& name) { return name.find("bf16") != std::string::npos; };
-    auto ours_at = [&](int stage, const std::string& name) {
-      return med(concat("torchspeed ZeRO-", stage, is_bf16(name) ? " bf16" : " fp32"));
+    auto ours_at = [&](int column, const std::string& name) {
+      if (moe) return med(column == 2 ? "torchspeed ZeRO-2 fp32" : "torchspeed ZeRO-2 fp32 ep2");
+      return med(concat("torchspeed ZeRO-", column, is_bf16(name) ? " bf16" : " fp32"));
     };
     std::printf("\n%s: median tokens/s of %d rounds\n", mc.name.c_str(), rounds);
-    std::printf("  %-28s %10s %12s %12s\n", "implementation", "tokens/s", "our ZeRO-2", "our ZeRO-3");
+    std::printf("  %-28s %10s %12s %12s\n", "implementation", "tokens/s", moe ? "our ep 1" : "our ZeRO-2",
+                moe ? "our ep 2" : "our ZeRO-3");
     std::printf("  %-28s %10s %12s %12s\n", "", "", "is this x", "is this x");
     auto ratio_cell = [](double ours_v, double v) {
       char buf[32];
@@ -406,7 +439,8 @@ int run_train(const BenchArgs& args, const std::string& self) {
       const double ceiling = roof / g.flops_per_token();
       std::printf("  fp32 ceiling (every FLOP at the measured GEMM rate, nothing else costs): %.0f tokens/s =", ceiling);
       nlohmann::json row = {{"model", mc.name}, {"impl", "fp32_gemm_ceiling"}, {"tokens_per_s", ceiling}};
-      for (const char* peer : {"PyTorch 2.x DDP", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3"}) {
+      for (const char* peer : {"PyTorch 2.x DDP", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3", "DeepSpeed-MoE ZeRO-2",
+                               "DeepSpeed-MoE ZeRO-2 ep2"}) {
         if (med(peer) > 0) {
           std::printf(" %.2fx %s;", ceiling / med(peer), peer);
           row[concat("ceiling_over_", peer)] = ceiling / med(peer);
@@ -419,6 +453,16 @@ int run_train(const BenchArgs& args, const std::string& self) {
       const double p = med(peer_name);
       report.add_target(concat(mc.name, " ", what, " / ", peer_name), p > 0 ? ours_v / p : 0.0, target);
     };
+    if (moe) {
+      // Expert parallelism against DeepSpeed-MoE's at the same ep; ep 2 against ep 1 (2 ranks:
+      // each holds half the experts and exchanges tokens instead of computing every expert's).
+      const double ep2 = med("torchspeed ZeRO-2 fp32 ep2");
+      ratio_target("torchspeed ZeRO-2 fp32 ep2", ep2, "DeepSpeed-MoE ZeRO-2 ep2", 1.3);
+      ratio_target("torchspeed ZeRO-2 fp32", ours2, "DeepSpeed-MoE ZeRO-2", 1.3);
+      ratio_target("torchspeed ZeRO-2 fp32 ep2", ep2, "torchspeed ZeRO-2 fp32", 0.9);
+      std::printf("\n");
+      continue;
+    }
     ratio_target("torchspeed ZeRO-2 fp32", ours2, "DeepSpeed ZeRO-2", 1.3);
     ratio_target("torchspeed ZeRO-2 fp32", ours2, "PyTorch 2.x DDP", 1.2);
     if (mc.name == "gpt-d768" || mc.llama) ratio_target("torchspeed ZeRO-3 fp32", ours3, "DeepSpeed ZeRO-3", 1.3);

@@ -8,6 +8,12 @@ prints one JSON line with the tokens per second of the timed steps. The model:
   --arch llama      transformers' LlamaForCausalLM (SDPA attention) loaded with from_pretrained
                     from --init, a folder --save-init wrote once (torchspeed loads the same
                     folder, so both train the same weights)
+  --arch moe        the GPT shape with each MLP a Mixture of Experts: DeepSpeed-MoE's layer
+                    (deepspeed.moe.layer.MoE, its top-k gate with capacity factor 1, tokens
+                    dropped in position order: use_rts off, as torchspeed drops them) over
+                    --experts SwiGLU experts of width --d_ff, --k per token, spread over --ep
+                    ranks (all-to-all); its load-balancing loss x 0.01 added to the loss, as
+                    torchspeed's model.moe.aux_loss_coef. --impl deepspeed only
 
   --bf16            bf16 compute: DDP under torch.autocast (fp32 weights, bf16 matrix products),
                     DeepSpeed with its "bf16" section (bf16 weights, fp32 master copies)
@@ -70,11 +76,46 @@ class Block(nn.Module):
         return x + self.mlp_proj(F.gelu(self.fc(self.ln2(x))))
 
 
+class SwiGLU(nn.Module):
+    """An expert as torchspeed's: one fused [gate; up] projection, silu(gate) * up, down; no biases."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d, 2 * f, bias=False), nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class MoEBlock(Block):
+    """Block with DeepSpeed-MoE's layer as its MLP; the layer's auxiliary loss kept for the step."""
+
+    def __init__(self, d, heads, experts, k, d_ff, ep):
+        super().__init__(d, heads)
+        from deepspeed.moe.layer import MoE  # noqa: E402
+
+        del self.fc, self.mlp_proj
+        self.moe = MoE(hidden_size=d, expert=SwiGLU(d, d_ff), num_experts=experts, ep_size=ep, k=k,
+                       capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4, use_residual=False,
+                       noisy_gate_policy=None, drop_tokens=True, use_rts=False)
+        self.aux = None
+
+    def forward(self, x):
+        b, t, d = x.shape
+        hd = d // self.heads
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
+        out, self.aux, _ = self.moe(self.ln2(x))
+        return x + out
+
+
 class GPT(nn.Module):
-    def __init__(self, vocab, seq, d, layers, heads):
+    def __init__(self, vocab, seq, d, layers, heads, moe=None):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList((MoEBlock(d, heads, **moe) if moe else Block(d, heads)) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
 
     def forward(self, idx):
@@ -82,6 +123,10 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.ln_f(x) @ self.tok.weight.t()
+
+    def aux_loss(self):
+        """The MoE layers' load-balancing losses of the last forward, summed (0 for a dense GPT)."""
+        return sum((b.aux for b in self.blocks if getattr(b, "aux", None) is not None), torch.zeros(()))
 
 
 def save_llama(args):
@@ -104,7 +149,9 @@ def main():
                           ("warmup", 2), ("stage", 2), ("vocab", 256)]:
         p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--impl", choices=["ddp", "deepspeed"], default="ddp")
-    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--arch", choices=["gpt", "llama", "moe"], default="gpt")
+    for name, default in [("experts", 8), ("k", 2), ("ep", 1)]:
+        p.add_argument("--" + name, type=int, default=default)
     p.add_argument("--init", default="", help="--arch llama: the Hugging Face folder to train from")
     p.add_argument("--save-init", default="", help="--arch llama: write a seeded LlamaForCausalLM here and exit")
     for name in ("kv_heads", "d_ff"):
@@ -147,6 +194,14 @@ def main():
                 return self.m(input_ids=idx, use_cache=False).logits
 
         model = Logits(hf)
+    elif args.arch == "moe":
+        assert args.impl == "deepspeed", "--arch moe runs DeepSpeed-MoE (--impl deepspeed)"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed  # noqa: E402
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # the MoE layer makes its groups
+        model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads,
+                    moe={"experts": args.experts, "k": args.k, "d_ff": args.d_ff, "ep": args.ep})
     else:
         model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 and args.impl == "ddp" else contextlib.nullcontext()
@@ -179,11 +234,21 @@ def main():
         }
         if args.bf16:
             config["bf16"] = {"enabled": True}
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        params = model.parameters()
+        if args.arch == "moe":  # expert parameters in their own groups (reduced over the expert-data-parallel group)
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
+
+            params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                            "name": "parameters"})
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         label = f"deepspeed_{deepspeed.__version__}_zero{args.stage}" + ("_bf16" if args.bf16 else "")
+        if args.arch == "moe":
+            label += f"_moe_ep{args.ep}"
 
         def train_step(x, y):
             loss = F.cross_entropy(engine(x).reshape(-1, args.vocab).float(), y.reshape(-1))
+            if args.arch == "moe":
+                loss = loss + 0.01 * model.aux_loss()
             engine.backward(loss)
             engine.step()
 
