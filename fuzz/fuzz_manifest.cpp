@@ -38,9 +38,10 @@ void check_layout(const zero::PartitionLayout& l, const std::string& where) {
     fuzz::bug(kTarget, "an accepted layout is refused when read from its own to_json()");
   if (back.to_json() != l.to_json())
     fuzz::bug(kTarget, "a layout changes through to_json() and from_json()");
-  std::map<std::string, int64_t> numel;  // a parameter's extent: the largest it has in any unit
+  // A parameter's extent: the largest it has in any unit (an expert unit holds one of ep blocks).
+  std::map<std::string, int64_t> numel;
   for (const auto& u : l.units)
-    for (const auto& p : u.params) numel[p.name] = std::max(numel[p.name], p.numel);
+    for (const auto& p : u.params) numel[p.name] = std::max(numel[p.name], u.expert ? p.numel * l.ep : p.numel);
   // The first ranks and the last: dp may be large.
   std::vector<int> ranks;
   for (int r = 0; r < std::min(l.dp, 4); ++r) ranks.push_back(r);

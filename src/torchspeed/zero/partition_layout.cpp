@@ -74,9 +74,12 @@ PartitionLayout PartitionLayout::from_json(const nlohmann::json& j, const std::s
                  u.part_size <= l.part_numel && u.part_offset <= l.part_numel - u.part_size,
              where, ": inconsistent unit in the partition layout (padded ", u.padded, ", shard ",
              u.shard, ")");
-    for (const auto& p : u.params)
+    for (const auto& p : u.params) {
       TS_CHECK(p.numel <= u.padded && p.offset <= u.padded - p.numel, where, ": parameter '",
                p.name, "' lies outside its unit in the partition layout");
+      TS_CHECK(!u.expert || p.numel <= INT64_MAX / l.ep, where, ": expert parameter '", p.name,
+               "' is too large for ", l.ep, " blocks in the partition layout");
+    }
   }
   return l;
 }
