@@ -187,31 +187,56 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   return out.view(shape);
 }
 
-at::Tensor MoEImpl::experts_here(const at::Tensor& xf, const Routing& r, bool grads) {
-  const int64_t E = cfg.num_experts, k = cfg.k;
-  const at::Tensor weights = r.weights.to(xf.scalar_type()).reshape({-1});  // [S k]
-  const at::Tensor live = (r.weights.reshape({-1}) != 0);                    // dropped routes: weight 0
-  at::Tensor out = at::zeros_like(xf);
-  const ExpertGroups groups = group_by_expert(r.experts, E);
+// Rows of x grouped by expert: counts[e] consecutive rows for local expert e, each group through
+// its expert. The experts are taken by one unbind, so backward writes each expert's gradient into
+// one stacked tensor (indexing gate_up[e] per expert made E zero-filled full-size gradients).
+// Undefined when no expert has rows.
+at::Tensor MoEImpl::run_experts(const at::Tensor& x, const std::vector<int64_t>& counts) const {
+  const std::vector<at::Tensor> gu = gate_up.unbind(0), dn = down.unbind(0);
+  std::vector<at::Tensor> ys;
   int64_t first = 0;
-  bool ran = false;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = groups.counts[static_cast<size_t>(e)];
-    at::Tensor rows = groups.order.narrow(0, first, n);
-    first += n;
-    if (n > 0) rows = rows.masked_select(live.index_select(0, rows));
-    if (rows.numel() == 0) continue;
-    ran = true;
-    const at::Tensor tokens = at::floor_divide(rows, k);
-    const at::Tensor h = nn::swiglu(at::linear(xf.index_select(0, tokens), gate_up[e]));
-    const at::Tensor y = at::linear(h, down[e]) * weights.index_select(0, rows).unsqueeze(1);
-    out = out.index_add(0, tokens, y);
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) continue;
+    ys.push_back(at::linear(nn::swiglu(at::linear(x.narrow(0, first, counts[e]), gu[e])), dn[e]));
+    first += counts[e];
   }
+  return ys.empty() ? at::Tensor() : at::cat(ys);
+}
+
+namespace {
+// The kept routes (weight not 0) in expert order, and how many each expert has.
+struct KeptRoutes {
+  at::Tensor rows;  // route ids s * k + j
+  at::Tensor counts;  // [E] int64
+};
+KeptRoutes kept_routes(const Routing& r, int64_t E) {
+  const at::Tensor live = (r.weights.reshape({-1}) != 0);  // dropped routes: weight 0
+  const ExpertGroups groups = group_by_expert(r.experts, E);
+  KeptRoutes k;
+  k.rows = groups.order.masked_select(live.index_select(0, groups.order));
+  k.counts = at::bincount(r.experts.reshape({-1}).index_select(0, k.rows), /*weights=*/{}, E).contiguous();
+  return k;
+}
+std::vector<int64_t> to_vector(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+}  // namespace
+
+at::Tensor MoEImpl::experts_here(const at::Tensor& xf, const Routing& r, bool grads) {
+  const KeptRoutes kept = kept_routes(r, cfg.num_experts);
+  const at::Tensor tokens = at::floor_divide(kept.rows, cfg.k);
+  const at::Tensor y = run_experts(xf.index_select(0, tokens), to_vector(kept.counts));
   // Every token dropped (a capacity of 0): a zero term keeps the experts' gradients defined, as
   // ZeRO's hooks expect one per parameter each backward. (An expert no token reached gets the
   // zero rows of its slice of gate_up and down, which are one parameter each.)
-  if (!ran && grads) out = out + ((router.sum() + gate_up.sum() + down.sum()) * 0).to(out.scalar_type());
-  return out;
+  if (!y.defined()) {
+    const at::Tensor out = at::zeros_like(xf);
+    return grads ? out + ((router.sum() + gate_up.sum() + down.sum()) * 0).to(out.scalar_type()) : out;
+  }
+  // Added to each token in expert order, as transformers' loop adds them.
+  const at::Tensor w = r.weights.reshape({-1}).index_select(0, kept.rows).to(xf.scalar_type()).unsqueeze(1);
+  return at::zeros_like(xf).index_add(0, tokens, y * w);
 }
 
 // Note [Expert parallelism]
@@ -230,41 +255,32 @@ at::Tensor MoEImpl::experts_here(const at::Tensor& xf, const Routing& r, bool gr
 // collectives stay in step. The shared expert and the router are ordinary replicated
 // parameters; the experts' gradients are summed over the expert-data-parallel group by ZeRO.
 at::Tensor MoEImpl::experts_across(const at::Tensor& xf, const Routing& r) {
-  const int64_t E = cfg.num_experts, k = cfg.k, P = ep->size(), L = E / P;
-  const at::Tensor live = (r.weights.reshape({-1}) != 0);
-  const ExpertGroups groups = group_by_expert(r.experts, E);
-  const at::Tensor rows = groups.order.masked_select(live.index_select(0, groups.order));  // kept routes, by expert
-  const at::Tensor counts = at::bincount(r.experts.reshape({-1}).index_select(0, rows), /*weights=*/{}, E);
+  const int64_t E = cfg.num_experts, P = ep->size(), L = E / P;
+  const KeptRoutes kept = kept_routes(r, E);
   // 1. How many rows each source sends each local expert: [P sources, L].
   std::vector<int64_t> per_rank(static_cast<size_t>(P), L);
   at::Tensor recv_counts = at::empty({P * L}, at::kLong);
-  ep->all_to_all(counts.contiguous(), per_rank, recv_counts, per_rank);
-  const at::Tensor send_rank = counts.view({P, L}).sum(1).contiguous(), recv_rank = recv_counts.view({P, L}).sum(1).contiguous();
-  const std::vector<int64_t> send(send_rank.data_ptr<int64_t>(), send_rank.data_ptr<int64_t>() + P);
-  const std::vector<int64_t> recv(recv_rank.data_ptr<int64_t>(), recv_rank.data_ptr<int64_t>() + P);
+  ep->all_to_all(kept.counts, per_rank, recv_counts, per_rank);
+  const std::vector<int64_t> send = to_vector(kept.counts.view({P, L}).sum(1));
+  const std::vector<int64_t> recv = to_vector(recv_counts.view({P, L}).sum(1));
   // 2. Dispatch.
-  const at::Tensor tokens = at::floor_divide(rows, k);
+  const at::Tensor tokens = at::floor_divide(kept.rows, cfg.k);
   const at::Tensor got = parallel::all_to_all(xf.index_select(0, tokens), ep, send, recv);  // [M, d]
-  // 3. The received rows grouped by local expert (source-major within each), each expert once.
+  // 3. The received rows grouped by local expert (source-major within each), each expert once,
+  // then back in arrival order; with no rows, a zero term keeps the chain of exchanges in the graph.
+  const int64_t M = got.size(0);
   const at::Tensor expert_of = at::repeat_interleave(at::arange(L, at::kLong).repeat({P}), recv_counts);
-  const at::Tensor by_expert = at::argsort(expert_of * std::max<int64_t>(got.size(0), 1) + at::arange(got.size(0), at::kLong));
-  const at::Tensor per_expert = recv_counts.view({P, L}).sum(0).contiguous();
-  std::vector<at::Tensor> ys;
-  int64_t first = 0;
-  for (int64_t e = 0; e < L; ++e) {
-    const int64_t n = per_expert.data_ptr<int64_t>()[e];
-    if (n == 0) continue;
-    const at::Tensor idx = by_expert.narrow(0, first, n);
-    first += n;
-    ys.push_back(at::linear(nn::swiglu(at::linear(got.index_select(0, idx), gate_up[e])), down[e]));
+  const at::Tensor by_expert = at::argsort(expert_of * std::max<int64_t>(M, 1) + at::arange(M, at::kLong));
+  at::Tensor y = run_experts(got.index_select(0, by_expert), to_vector(recv_counts.view({P, L}).sum(0)));
+  if (y.defined()) {
+    y = y.index_select(0, at::argsort(by_expert));
+  } else {
+    y = got * 0;
+    if (is_training() && c10::GradMode::is_enabled()) y = y + ((gate_up.sum() + down.sum()) * 0).to(y.scalar_type());
   }
-  // Back in arrival order; with no rows, a zero term keeps the chain of exchanges in the graph.
-  at::Tensor y = ys.empty() ? got * 0 : at::cat(ys).index_select(0, at::argsort(by_expert));
-  if (ys.empty() && is_training() && c10::GradMode::is_enabled())
-    y = y + ((gate_up.sum() + down.sum()) * 0).to(y.scalar_type());
   // 4. Combine.
-  const at::Tensor back = parallel::all_to_all(y, ep, recv, send);  // [kept routes, d], in `rows` order
-  const at::Tensor w = r.weights.reshape({-1}).index_select(0, rows).to(xf.scalar_type()).unsqueeze(1);
+  const at::Tensor back = parallel::all_to_all(y, ep, recv, send);  // [kept routes, d], in kept.rows' order
+  const at::Tensor w = r.weights.reshape({-1}).index_select(0, kept.rows).to(xf.scalar_type()).unsqueeze(1);
   return at::zeros_like(xf).index_add(0, tokens, back * w);
 }
 

@@ -99,6 +99,7 @@ class MoEImpl : public torch::nn::Module {
   // route's expert on its rank.
   at::Tensor experts_here(const at::Tensor& xf, const Routing& r, bool grads);
   at::Tensor experts_across(const at::Tensor& xf, const Routing& r);
+  at::Tensor run_experts(const at::Tensor& x, const std::vector<int64_t>& counts) const;
 };
 TORCH_MODULE(MoE);
 
