@@ -6,8 +6,9 @@
 # factor 1 (tokens dropped) and its auxiliary loss at 0.05: 2 ranks at ZeRO stages 0-3, gradient
 # accumulation, activation checkpointing and 2 pipeline stages give the reference's losses and
 # gradient norms; bf16 and fp16 (loss scaling: the auxiliary loss's gradient is scaled too)
-# within 3%. Then expert parallelism (ep_size 2 and 4) likewise, and its checkpoints resharded to
-# another ep_size. Judged by its exit status.
+# within 3%. Then expert parallelism (ep_size 2 and 4) likewise, tensor parallelism of the
+# attention (tp 2, and tp 2 x ep 2), and checkpoints resharded to another ep_size. Judged by its
+# exit status.
 # usage: moe.sh TORCHSPEED REFERENCE CONFIG COMPARE_LOSSES
 set -eu
 cli=$1 ref=$2 cfg=$3 compare=$4
@@ -66,6 +67,16 @@ python3 "$compare" ep2bf16/metrics.csv ref/metrics.csv 3e-2
   --set gradient_accumulation_steps=4 --set train_micro_batch_size_per_gpu=2 --set pipeline.activation_checkpoint_interval=1 \
   > ep2pp.log 2>&1 || { cat ep2pp.log; exit 1; }
 python3 "$compare" ep2pp/metrics.csv ref_pp2/metrics.csv 1e-4 --grad-norm
+# Tensor parallelism of the attention with the experts whole on each tensor-parallel rank: tp 2
+# on 2 ranks (the 1-piece reference), and tp 2 x dp 2 with ep 2 at ZeRO-3 on 4 ranks.
+"$ref" "$cfg" 1 ref1 $sets >/dev/null
+"$cli" train -c "$cfg" -n 2 --out tp2 $sets --set tensor_parallel.tp_size=2 --set zero_optimization.stage=1 \
+  > tp2.log 2>&1 || { cat tp2.log; exit 1; }
+python3 "$compare" tp2/metrics.csv ref1/metrics.csv 1e-4 --grad-norm
+"$cli" train -c "$cfg" -n 4 --out tp2ep2 $sets --set tensor_parallel.tp_size=2 --set model.moe.ep_size=2 \
+  --set zero_optimization.stage=3 --set zero_optimization.stage3_param_persistence_threshold=0 > tp2ep2.log 2>&1 ||
+  { cat tp2ep2.log; exit 1; }
+python3 "$compare" tp2ep2/metrics.csv ref/metrics.csv 1e-4 --grad-norm
 # Checkpoints reshard across ep_size (and stage): 4 steps at ep 2, resumed at ep 1 (2 ranks) and
 # at ep 4 (4 ranks; from stage 0, where the first ep ranks each saved their own experts), equal
 # to the reference over all 8 steps.

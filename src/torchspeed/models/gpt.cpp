@@ -514,8 +514,6 @@ at::Tensor GPTEmbeddingTPImpl::forward(const at::Tensor& tokens) {
 
 GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPtr& tp)
     : head_dim(dense->head_dim), gelu_approximate(dense->gelu_approximate), swiglu(dense->swiglu), rope(dense->rope) {
-  TS_CHECK(!dense->moe, "tensor parallelism of Mixture-of-Experts blocks is not implemented (tensor_parallel.tp_size ",
-           tp->size(), "): use data parallelism and ZeRO");
   TS_CHECK(dense->n_head % tp->size() == 0, "model.n_head ", dense->n_head, " does not divide by tensor_parallel.tp_size ",
            tp->size());
   // Grouped-query attention: each rank takes whole KV heads with their query groups; with fewer
@@ -547,11 +545,18 @@ GPTBlockTPImpl::GPTBlockTPImpl(const GPTBlock& dense, const comm::CommunicatorPt
   }
   attn_proj = register_module("attn_proj", tensor_parallel::RowParallelLinear(dense->attn_proj->weight, dense->attn_proj->bias, tp));
   ln2 = register_module("ln2", copy_norm(dense->ln2));
-  // SwiGLU's fc rows are [gate; up]: each half is split alike (chunks = 2).
-  fc = register_module("fc", tensor_parallel::ColumnParallelLinear(dense->fc->weight, dense->fc->bias, tp, false,
-                                                                   swiglu ? 2 : 1));
-  mlp_proj = register_module("mlp_proj", tensor_parallel::RowParallelLinear(dense->mlp_proj->weight, dense->mlp_proj->bias, tp));
+  if (!dense->moe) {
+    // SwiGLU's fc rows are [gate; up]: each half is split alike (chunks = 2).
+    fc = register_module("fc", tensor_parallel::ColumnParallelLinear(dense->fc->weight, dense->fc->bias, tp, false,
+                                                                     swiglu ? 2 : 1));
+    mlp_proj = register_module("mlp_proj", tensor_parallel::RowParallelLinear(dense->mlp_proj->weight, dense->mlp_proj->bias, tp));
+  }
   drop = register_module("drop", torch::nn::Dropout(dense->drop->options.p()));
+  // Mixture of experts: the attention splits as above; the experts stay whole on every
+  // tensor-parallel rank, which routes the same replicated rows (with expert parallelism, over the
+  // expert-parallel group of its own tensor-parallel index). Their gradients are equal on the
+  // tensor-parallel ranks and count once in the norm, as the replicated norms' do.
+  if (dense->moe) moe = register_module("moe", dense->moe);
 }
 
 // Note [Shared key/value heads]
@@ -572,6 +577,7 @@ at::Tensor GPTBlockTPImpl::forward(const at::Tensor& x) {
   }
   at::Tensor y = attend(h_qkv, local_heads, local_kv_heads, head_dim, q_norm, k_norm, rope, drop);
   at::Tensor h = x + drop(attn_proj(y));
+  if (moe) return h + drop(moe(ln2(h)));
   return h + drop(mlp_proj(mlp_activation(fc(ln2(h)), swiglu, gelu_approximate)));
 }
 

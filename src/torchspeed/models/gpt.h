@@ -217,6 +217,9 @@ class GPTBlockTPImpl : public torch::nn::Module {
   tensor_parallel::ColumnParallelLinear qkv{nullptr}, fc{nullptr};
   tensor_parallel::RowParallelLinear attn_proj{nullptr}, mlp_proj{nullptr};
   torch::nn::Dropout drop{nullptr};
+  // A Mixture-of-Experts block: the dense block's MoE MLP, whole on every tensor-parallel rank
+  // (its input is replicated there), instead of fc and mlp_proj.
+  MoE moe{nullptr};
   int64_t local_heads, local_kv_heads, head_dim;
   // Fewer KV heads than ranks: this many consecutive ranks (kv_group) share one KV head.
   int64_t kv_replicas = 1;
