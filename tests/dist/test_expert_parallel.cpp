@@ -124,7 +124,7 @@ TEST(ExpertParallelMoE, MatchesTheWholeLayer) {
 
 TEST(ExpertParallelMoE, RefusesExpertsThatDoNotDivide) {
   const int P = world()->size();
-  if (P == 1) GTEST_SKIP();
+  ASSERT_GT(P, 1) << "registered at 2 and 4 ranks";
   ts::models::MoEConfig mc;
   mc.num_experts = P + 1;
   mc.k = 1;
