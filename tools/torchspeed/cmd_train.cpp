@@ -258,8 +258,14 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       for (const auto& [name, t] : init->params) (*m)[name] = t;
       init_tensors = m;
     }
-    auto engine = initialize(groups, models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors, lora, groups.ep), cfg,
-                             {no_weight_decay_group(ts.no_decay_embeddings)});
+    // Sequence parallelism (DeepSpeed-Ulysses) and ALST's tiling change how the layers run, not
+    // their weights.
+    TS_CHECK(seq % cfg.sp == 0, o->config, ": data.seq_len ", seq, " is not a multiple of sequence_parallel_size ", cfg.sp,
+             " (each rank takes an equal shard of every sequence)");
+    nn::StackSpec spec = models::gpt_spec(gpt, static_cast<uint64_t>(cfg.seed), groups.tp, init_tensors, lora, groups.ep);
+    spec = models::sequence_parallel(std::move(spec), gpt, groups.sp);
+    spec = models::tiled(std::move(spec), gpt, cfg.torchspeed.tiled_mlp, cfg.torchspeed.tiled_loss);
+    auto engine = initialize(groups, spec, cfg, {no_weight_decay_group(ts.no_decay_embeddings)});
     // FLOPs per token: 6 N + attention; with LoRA the frozen base takes no weight gradients (its
     // 2 N of them), the adapter's parameters all 6.
     auto flops_per_token = [&](const models::GPTConfig& c) {
@@ -271,7 +277,9 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     engine->set_progress_report(false);  // the progress line below, every train.log_interval steps
     const auto& dp = engine->groups().dp;
     const int64_t micro = cfg.train_micro_batch_size_per_gpu;
-    data::TextLoader loader(corpus.train, seq, micro, dp->rank(), dp->size(), static_cast<uint64_t>(cfg.seed));
+    // A sequence-parallel group's ranks read the same sequences (the engine keeps each rank's shard).
+    const int replica = dp->rank() / cfg.sp, replicas = cfg.replicas();
+    data::TextLoader loader(corpus.train, seq, micro, replica, replicas, static_cast<uint64_t>(cfg.seed));
     const int64_t tokens_per_step = cfg.train_batch_size * seq;
 
     // MFU against this machine's measured GEMM rate in the compute dtype, on every rank's cores.
@@ -295,10 +303,22 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
                   family.c_str(), static_cast<long>(gpt.n_layer), static_cast<long>(gpt.d_model), static_cast<long>(gpt.n_head),
                   static_cast<long>(gpt.kv_heads()), static_cast<long>(seq), static_cast<long>(gpt.seq_len),
                   gpt.num_params() / 1e6);
-      std::printf("  %d ranks (dp %d x pp %d x tp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp\n",
+      std::printf("  %d ranks (dp %d x pp %d x tp %d), ZeRO stage %d, %s, batch %ld = %ld micro x %ld accumulation x %d dp%s\n",
                   rt.world_size, dp->size(), cfg.pp, cfg.tp, cfg.zero.stage,
                   precision::precision_name(engine->precision()), static_cast<long>(cfg.train_batch_size),
-                  static_cast<long>(micro), static_cast<long>(cfg.gradient_accumulation_steps), dp->size());
+                  static_cast<long>(micro), static_cast<long>(cfg.gradient_accumulation_steps), replicas,
+                  cfg.sp > 1 ? concat(" / sp ", cfg.sp).c_str() : "");
+      if (cfg.sp > 1) {
+        std::printf("  sequence parallel (Ulysses) over %d ranks: %ld tokens each of every %ld-token sequence, %ld of %ld "
+                    "attention heads each\n",
+                    cfg.sp, static_cast<long>(seq / cfg.sp), static_cast<long>(seq), static_cast<long>(gpt.n_head / cfg.sp),
+                    static_cast<long>(gpt.n_head));
+      }
+      if (cfg.torchspeed.tiled_mlp > 1 || cfg.torchspeed.tiled_loss > 1) {
+        std::printf("  tiled (ALST): MLP over %ld slices, LM head and loss over %ld slices of each sequence\n",
+                    static_cast<long>(std::max<int64_t>(1, cfg.torchspeed.tiled_mlp)),
+                    static_cast<long>(std::max<int64_t>(1, cfg.torchspeed.tiled_loss)));
+      }
       std::printf("  data: %s, %zu files, %.2f MB of text; tokenizer %s: %.2fM train / %.2fM validation tokens\n",
                   ds.path.c_str(), corpus.files.size(), corpus.bytes / 1e6, tokenizer->source().c_str(),
                   corpus.train.size() / 1e6, corpus.val.size() / 1e6);
@@ -328,7 +348,7 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     }
 
     auto evaluate = [&]() {
-      data::TextLoader val(corpus.val, seq, micro, dp->rank(), dp->size(), 12345);
+      data::TextLoader val(corpus.val, seq, micro, replica, replicas, 12345);
       double sum = 0;
       for (int64_t i = 0; i < ts.eval_batches; ++i) sum += engine->eval_batch(val);  // dp means
       return sum / static_cast<double>(ts.eval_batches);

@@ -482,9 +482,12 @@ void read_monitor(JsonReader& r, MonitorConfig& c) {
 
 void resolve_batch(Config& c, std::optional<int64_t> train, std::optional<int64_t> micro,
                    std::optional<int64_t> gas, Diagnostics& diag) {
-  const int64_t dp = c.dp;
-  const std::string dp_str = concat("data-parallel size ", dp, " (world ", c.world_size, " / (tp ",
-                                    c.tp, " x pp ", c.pp, "))");
+  // DeepSpeed's batch world: world / sequence_parallel_size ranks (with tp and pp, their product).
+  const int64_t dp = c.replicas();
+  const std::string dp_str = c.sp > 1 ? concat("data-parallel size ", dp, " (world ", c.world_size, " / (tp ", c.tp,
+                                               " x pp ", c.pp, " x sequence_parallel_size ", c.sp, "))")
+                                      : concat("data-parallel size ", dp, " (world ", c.world_size, " / (tp ",
+                                               c.tp, " x pp ", c.pp, "))");
   auto divide = [&](int64_t total, int64_t by, const char* what, const std::string& by_str)
       -> std::optional<int64_t> {
     if (total % by == 0) return total / by;
@@ -731,6 +734,8 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
     c.torchspeed.intra_op_threads = static_cast<int>(t->get_int("intra_op_threads", 0, 0, 4096));
     c.torchspeed.comm_timeout_s = t->get_double("comm_timeout_s", c.torchspeed.comm_timeout_s, 1e-3);
     c.torchspeed.comm_chunk_bytes = t->get_int("comm_chunk_bytes", 1 << 20, 4096, int64_t{1} << 30);
+    c.torchspeed.tiled_mlp = t->get_int("tiled_mlp", 0, 0, int64_t{1} << 24);
+    c.torchspeed.tiled_loss = t->get_int("tiled_loss", 0, 0, int64_t{1} << 24);
     t->finish();
   }
 
@@ -747,6 +752,7 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
   c.communication_data_type = r.get_string("communication_data_type", "", {"fp32", "fp16", "bf16", "bfp16"});
   if (c.communication_data_type == "bfp16") c.communication_data_type = "bf16";
   c.seed = r.get_int("seed", 1234, 0);
+  c.sp = static_cast<int>(r.get_int("sequence_parallel_size", 1, 1, kMax32));
   c.memory_breakdown = r.get_bool("memory_breakdown", false);
 
   if (auto s = r.child("fp16")) read_fp16(*s, c.fp16);
@@ -877,7 +883,16 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
                               " = ", c.tp * c.pp, " does not divide the world size ", c.world_size));
   } else {
     c.dp = c.world_size / (c.tp * c.pp);
-    resolve_batch(c, train, micro, gas, diag);
+    if (c.sp > 1 && (c.tp > 1 || c.pp > 1)) {
+      diag.errors.push_back(concat("sequence_parallel_size: ", c.sp, " with tensor_parallel.tp_size ", c.tp,
+                                   " and pipeline.stages ", c.pp, ": sequence parallelism runs with data parallelism and ZeRO ",
+                                   "(tp 1, pp 1)"));
+    } else if (c.dp % c.sp != 0) {
+      diag.errors.push_back(concat("sequence_parallel_size: ", c.sp, " does not divide the data-parallel size ", c.dp,
+                                   " (world ", c.world_size, "): each sequence splits over that many ranks"));
+    } else {
+      resolve_batch(c, train, micro, gas, diag);
+    }
   }
   if (c.zero.stage >= 2 && c.pp > 1) {
     diag.errors.push_back(concat("zero_optimization.stage: stage ", c.zero.stage,
@@ -1043,9 +1058,12 @@ nlohmann::json Config::to_json() const {
   j["torchspeed"] = {{"unknown_keys", torchspeed.unknown_keys},
                      {"intra_op_threads", torchspeed.intra_op_threads},
                      {"comm_timeout_s", torchspeed.comm_timeout_s},
-                     {"comm_chunk_bytes", torchspeed.comm_chunk_bytes}};
+                     {"comm_chunk_bytes", torchspeed.comm_chunk_bytes},
+                     {"tiled_mlp", torchspeed.tiled_mlp},
+                     {"tiled_loss", torchspeed.tiled_loss}};
+  j["sequence_parallel_size"] = sp;
   for (const auto& [k, v] : sections.items()) j[k] = v;
-  j["world"] = {{"world_size", world_size}, {"tp", tp}, {"pp", pp}, {"dp", dp}};
+  j["world"] = {{"world_size", world_size}, {"tp", tp}, {"pp", pp}, {"dp", dp}, {"sp", sp}};
   return j;
 }
 

@@ -247,6 +247,10 @@ struct TorchspeedConfig {
   int intra_op_threads = 0;            // 0 = cores per rank
   double comm_timeout_s = 600.0;
   int64_t comm_chunk_bytes = 1 << 20;
+  // ALST's tiling (models/gpt.h, tiled()): the dense MLP, and the LM head with its loss, over
+  // this many slices of each sequence in training. 0: whole.
+  int64_t tiled_mlp = 0;
+  int64_t tiled_loss = 0;
 };
 
 // The world the config is resolved for.
@@ -276,7 +280,7 @@ struct AutoValues {
 };
 
 struct Config {
-  // Batch sizes as resolved: train_batch_size = micro * grad_accum * dp; 0 when the config gives
+  // Batch sizes as resolved: train_batch_size = micro * grad_accum * dp / sp; 0 when the config gives
   // none (templates), which check_batch_sizes() refuses.
   int64_t train_batch_size = 0;
   int64_t train_micro_batch_size_per_gpu = 0;
@@ -312,7 +316,11 @@ struct Config {
   // owners validate them.
   nlohmann::json sections = nlohmann::json::object();
 
-  int world_size = 1, tp = 1, pp = 1, dp = 1;
+  // dp: the data-parallel group (ZeRO's), world / (tp x pp). sp: DeepSpeed-Ulysses'
+  // sequence_parallel_size, consecutive ranks of it that split each sequence; the batch counts
+  // dp / sp sequences per micro-step (DeepSpeed's world_size / sequence_parallel_size).
+  int world_size = 1, tp = 1, pp = 1, dp = 1, sp = 1;
+  int replicas() const { return dp / sp; }
   std::vector<std::string> warnings;
   nlohmann::json source;  // the config as written
 

@@ -17,6 +17,7 @@
 #include "torchspeed/offload/optimizer_swapper.h"
 #include "torchspeed/offload/param_swapper.h"
 #include "torchspeed/parallel/expert.h"
+#include "torchspeed/parallel/sequence.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 #include "torchspeed/tensor_parallel/layers.h"
@@ -34,6 +35,8 @@ void check_supported(const config::Config& c, const parallel::ParallelGroups& g)
            " ranks but the job has ", g.grid.world_size(), "; pass the job's world size to Config::load");
   TS_CHECK(c.dp == g.dp->size(), "the config's data-parallel size ", c.dp,
            " differs from the data-parallel group's ", g.dp->size());
+  TS_CHECK(c.sp == g.sp_size(), "the config's sequence_parallel_size ", c.sp, " differs from the job's sequence-parallel ",
+           "groups (", g.sp_size(), " ranks; make them with parallel::add_sequence_groups)");
   TS_CHECK(c.pp == 1 || c.zero.stage <= 1, "pipeline.stages ", c.pp, " with zero_optimization.stage ", c.zero.stage,
            ": pipeline parallelism combines with ZeRO stages 0 and 1 (as in DeepSpeed)");
 }
@@ -108,11 +111,16 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   }
   if (config_.random_ltd.enabled) {
     TS_CHECK(stack_, "data_efficiency.data_routing.random_ltd needs a LayerStack model (GPT)");
+    TS_CHECK(config_.sp == 1, "data_efficiency.data_routing.random_ltd drops tokens per rank, which sequence parallelism "
+             "(sequence_parallel_size ", config_.sp, ") cannot exchange; disable one of them");
     random_ltd_ = std::make_unique<nn::RandomLtd>(config_.random_ltd, stack_, plan_.stages == 1);
   }
   // Activation checkpointing: segments of `interval` layers keep only their input.
+  if (stack_ && stack_->fused_loss()) {
+    TS_CHECK(plan_.stages == 1, "a fused (tiled) loss runs in one pipeline stage; pipeline.stages is ", plan_.stages);
+  }
   if (const int k = config_.pipeline.activation_checkpoint_interval; k > 0) {
-    segments_ = nn::interval_segments(stack_->size(), k, [this](const at::Tensor& x, size_t b, size_t e) {
+    segments_ = nn::interval_segments(body_layers(), k, [this](const at::Tensor& x, size_t b, size_t e) {
       return run_layers(x, b, e, at::GradMode::is_enabled());
     });
   }
@@ -135,7 +143,12 @@ at::ScalarType Engine::compute_dtype() const {
   return precision_ == precision::Precision::kBF16 ? at::kBFloat16 : at::kFloat;
 }
 
-at::Tensor Engine::run(const at::Tensor& input) {
+size_t Engine::body_layers() const {
+  if (!stack_) return 0;
+  return stack_->fused_loss() ? stack_->size() - 1 : stack_->size();
+}
+
+at::Tensor Engine::run(const at::Tensor& input, bool before_fused_loss) {
   at::Tensor x = input;
   if (x.is_floating_point() && x.scalar_type() != compute_dtype()) x = x.to(compute_dtype());
   // fp16.auto_cast: DeepSpeed casts floating inputs to fp16; here fp16 values in fp32 tensors
@@ -147,9 +160,14 @@ at::Tensor Engine::run(const at::Tensor& input) {
   if (compression_) compression_->update(global_steps_ - skipped_steps_);
   if (random_ltd_) random_ltd_->update(global_steps_);
   const bool grad = at::GradMode::is_enabled() && root_->is_training();
-  if (segments_.empty() || !grad) return run_layers(x, 0, stack_->size(), grad);
-  for (const auto& segment : segments_) x = nn::checkpoint(segment, x);
-  return x;
+  const size_t body = body_layers();
+  if (segments_.empty() || !grad) {
+    x = run_layers(x, 0, body, grad);
+  } else {
+    for (const auto& segment : segments_) x = nn::checkpoint(segment, x);
+  }
+  if (before_fused_loss || body == stack_->size()) return x;
+  return run_layers(x, body, stack_->size(), grad);
 }
 
 at::Tensor Engine::run_layers(const at::Tensor& input, size_t begin, size_t end, bool grad) {
@@ -176,7 +194,18 @@ at::Tensor Engine::forward(const at::Tensor& input, const at::Tensor& target) {
            "and compute the loss yourself");
   TS_CHECK(plan_.stages == 1, "forward(): with pipeline stages use train_batch() and eval_batch()");
   auto t = Clock::now();
-  at::Tensor loss = stack_->loss(run(input), target);
+  at::Tensor loss;
+  if (const auto& fused = stack_->fused_loss()) {
+    // The last layer inside the loss (a tiled LM head and cross-entropy), between its hooks.
+    const at::Tensor x = run(input, /*before_fused_loss=*/true);
+    const size_t last = stack_->size() - 1;
+    const bool grad = at::GradMode::is_enabled() && root_->is_training();
+    if (layer_hooks_) layer_hooks_->before_forward(static_cast<int>(last));
+    loss = fused(stack_->layer_module(last), x, target);
+    if (layer_hooks_) loss = layer_hooks_->after_forward(static_cast<int>(last), loss, grad);
+  } else {
+    loss = stack_->loss(run(input), target);
+  }
   forward_s_ += since(t);
   return loss;
 }
@@ -390,7 +419,7 @@ double Engine::train_batch(const MicroBatchSource& next) {
   double sum = 0;
   for (int64_t m = 0; m < gas; ++m) {
     auto [x, y] = next();
-    at::Tensor loss = forward(x, y);
+    at::Tensor loss = forward(parallel::sequence_shard(x, groups_.sp), parallel::sequence_shard(y, groups_.sp));
     backward(loss);
     step();
     sum += loss.item<double>();
@@ -410,7 +439,7 @@ double Engine::eval_batch(const MicroBatchSource& next) {
     } else {
       for (int64_t m = 0; m < gas; ++m) {
         auto [x, y] = next();
-        loss += forward(x, y).item<double>();
+        loss += forward(parallel::sequence_shard(x, groups_.sp), parallel::sequence_shard(y, groups_.sp)).item<double>();
       }
       loss /= static_cast<double>(gas);
     }
@@ -427,6 +456,7 @@ parallel::ParallelGroups make_groups(const Runtime& runtime, const config::Confi
   parallel::ProcessGrid grid(runtime.world_size, config.tp, config.pp);
   auto groups = parallel::make_parallel_groups(world, grid);
   parallel::add_expert_groups(groups, ep_size);
+  parallel::add_sequence_groups(groups, config.sp);
   return groups;
 }
 

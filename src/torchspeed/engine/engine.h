@@ -64,6 +64,10 @@ class Engine {
   // it runs the config's schedule (pipeline.schedule: 1f1b or gpipe): the first stage uses the
   // inputs, the last the targets, activations and gradients travel point to point. Returns the
   // batch's mean loss (over micro-batches and data-parallel ranks) on every rank.
+  // With sequence parallelism (sequence_parallel_size > 1) `next` gives whole sequences, the
+  // same on every rank of a sequence-parallel group, and each rank keeps its shard
+  // (parallel::sequence_shard, as DeepSpeed's UlyssesSPDataLoaderAdapter); forward(input,
+  // target) takes the rank's shard itself.
   using MicroBatchSource = pipeline::MicroBatchSource;
   double train_batch(const MicroBatchSource& next);
   // The mean loss of gradient_accumulation_steps micro-batches, forward only.
@@ -155,7 +159,10 @@ class Engine {
   bool save_16bit_model(const std::string& dir, const std::string& filename = "model.safetensors");
 
  private:
-  at::Tensor run(const at::Tensor& input);
+  // The stack's forward; with `before_fused_loss`, every layer but the last when the stack has
+  // a fused loss (LayerStackImpl::set_fused_loss), which forward(input, target) then runs.
+  at::Tensor run(const at::Tensor& input, bool before_fused_loss = false);
+  size_t body_layers() const;  // the layers before the fused loss (all without one)
   at::Tensor run_layers(const at::Tensor& x, size_t begin, size_t end, bool grad);
   void optimizer_step();
   double mean_over_data_parallel(double v) const;

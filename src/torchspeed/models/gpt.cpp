@@ -4,6 +4,8 @@
 #include "torchspeed/models/lora.h"
 
 #include "torchspeed/nn/fused_ops.h"
+#include "torchspeed/nn/tiled.h"
+#include "torchspeed/parallel/sequence.h"
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
@@ -322,9 +324,10 @@ at::Tensor GPTEmbeddingImpl::forward(const at::Tensor& tokens) {
   if (!pos) {  // rotary positions: applied inside attention
     return drop(tok_q.active() ? at::embedding(compression::weight_of(tok_q, tok->weight), tokens) : tok(tokens));
   }
-  TS_CHECK(tokens.size(1) <= pos->weight.size(0), "sequence of ", tokens.size(1),
+  const int64_t first = sp ? sp->rank() * tokens.size(1) : 0;  // a sequence-parallel shard's first position
+  TS_CHECK(first + tokens.size(1) <= pos->weight.size(0), "sequence of ", first + tokens.size(1),
            " tokens is longer than the model's seq_len ", pos->weight.size(0));
-  at::Tensor positions = at::arange(tokens.size(1), tokens.options());
+  at::Tensor positions = at::arange(first, first + tokens.size(1), tokens.options());
   if (!tok_q.active() && !pos_q.active()) return drop(tok(tokens) + pos(positions).unsqueeze(0));
   return drop(at::embedding(compression::weight_of(tok_q, tok->weight), tokens) +
               at::embedding(compression::weight_of(pos_q, pos->weight), positions).unsqueeze(0));
@@ -439,22 +442,40 @@ at::Tensor with_lora(const std::shared_ptr<LoraBlockImpl>& lora, checkpoint::pef
 
 at::Tensor GPTBlockImpl::attention(const at::Tensor& x) {
   using checkpoint::peft::Fused;
-  const at::Tensor a = attend(with_lora(lora, Fused::kQKV, x, linear(qkv, qkv_q, x)), n_head, n_kv_head, head_dim, q_norm,
-                              k_norm, rope, drop);
+  const at::Tensor projected = with_lora(lora, Fused::kQKV, x, linear(qkv, qkv_q, x));
+  at::Tensor a;
+  if (sp) {
+    // Ulysses: this rank's heads over the whole sequence, then its tokens with every head back.
+    const int64_t P = sp->size();
+    const at::Tensor heads = parallel::sequence_to_heads(projected, n_head, n_kv_head, head_dim, sp);
+    a = parallel::heads_to_sequence(attend(heads, n_head / P, parallel::sequence_parallel_kv_heads(n_head, n_kv_head, P),
+                                           head_dim, q_norm, k_norm, rope, drop),
+                                    sp);
+  } else {
+    a = attend(projected, n_head, n_kv_head, head_dim, q_norm, k_norm, rope, drop);
+  }
   return with_lora(lora, Fused::kProj, a, linear(attn_proj, attn_proj_q, a));
 }
 
+
+
 at::Tensor GPTBlockImpl::forward(const at::Tensor& x) {
   auto block = [this](const at::Tensor& in) {
-    using checkpoint::peft::Fused;
     at::Tensor h = in + drop(attention(ln1(in)));
     if (moe) return h + drop(moe(ln2(h)));
-    if (lora) {
-      const at::Tensor n = ln2(h);
-      const at::Tensor m = mlp_activation(with_lora(lora, Fused::kFC, n, linear(fc, fc_q, n)), swiglu, gelu_approximate);
-      return h + drop(with_lora(lora, Fused::kMLP, m, linear(mlp_proj, mlp_proj_q, m)));
-    }
-    return h + drop(linear(mlp_proj, mlp_proj_q, mlp_activation(linear(fc, fc_q, ln2(h)), swiglu, gelu_approximate)));
+    const nn::TileFn mlp = [this](const at::Tensor& n, int64_t, int64_t) {
+      using checkpoint::peft::Fused;
+      if (lora) {
+        const at::Tensor m = mlp_activation(with_lora(lora, Fused::kFC, n, linear(fc, fc_q, n)), swiglu, gelu_approximate);
+        return with_lora(lora, Fused::kMLP, m, linear(mlp_proj, mlp_proj_q, m));
+      }
+      return linear(mlp_proj, mlp_proj_q, mlp_activation(linear(fc, fc_q, n), swiglu, gelu_approximate));
+    };
+    if (mlp_tiles <= 1 || !is_training()) return h + drop(mlp(ln2(h), 0, h.size(1)));
+    // ALST's tiled MLP: the slices' gradients reach fc and mlp_proj once (nn/tiled.h).
+    std::vector<at::Tensor> params = fc->parameters();
+    for (const auto& p : mlp_proj->parameters()) params.push_back(p);
+    return h + drop(nn::tiled(mlp, ln2(h), params, mlp_tiles, nn::TileCombine::kConcat));
   };
   if (kept_tokens > 0 && is_training()) return nn::run_on_kept_tokens(x, kept_tokens, block);
   return block(x);
@@ -681,6 +702,74 @@ nn::StackSpec gpt_spec(const GPTConfig& c, uint64_t seed, comm::CommunicatorPtr 
 
 nn::LayerStack make_gpt(const GPTConfig& c) {
   return nn::build(gpt_spec(c, at::detail::getDefaultCPUGenerator().current_seed()));
+}
+
+namespace {
+// Wraps every layer's build with `adjust(layer name, built module)`.
+void adjust_layers(nn::StackSpec& spec,
+                   const std::function<void(const std::string&, const std::shared_ptr<torch::nn::Module>&)>& adjust) {
+  for (auto& l : spec.layers) {
+    l.build = [inner = l.build, adjust, name = l.name](const nn::TiedTensors& tied) {
+      torch::nn::AnyModule m = inner(tied);
+      adjust(name, m.ptr());
+      return m;
+    };
+  }
+}
+}  // namespace
+
+nn::StackSpec sequence_parallel(nn::StackSpec spec, const GPTConfig& c, comm::CommunicatorPtr sp) {
+  if (!sp || sp->size() == 1) return spec;
+  TS_CHECK(!c.moe.enabled(), "sequence_parallel_size ", sp->size(), " with model.moe: Mixture-of-Experts blocks are not ",
+           "sequence-parallel (each rank's expert capacity and load-balancing loss would differ from the whole sequence's); "
+           "use expert parallelism (model.moe.ep_size) or sequence_parallel_size 1");
+  parallel::sequence_parallel_kv_heads(c.n_head, c.kv_heads(), sp->size());  // refuses heads that do not split
+  adjust_layers(spec, [sp](const std::string& name, const std::shared_ptr<torch::nn::Module>& m) {
+    if (auto e = std::dynamic_pointer_cast<GPTEmbeddingImpl>(m)) {
+      e->sp = sp;
+    } else if (auto b = std::dynamic_pointer_cast<GPTBlockImpl>(m)) {
+      b->sp = sp;
+    } else {
+      TS_CHECK(std::dynamic_pointer_cast<GPTHeadImpl>(m), "sequence parallelism: layer '", name,
+               "' is not a dense GPT layer (tensor parallelism does not combine with sequence_parallel_size)");
+    }
+  });
+  return spec;
+}
+
+nn::StackSpec tiled(nn::StackSpec spec, const GPTConfig& c, int64_t mlp_tiles, int64_t loss_tiles) {
+  if (mlp_tiles > 1) {
+    TS_CHECK(!c.moe.enabled(), "torchspeed.tiled_mlp: the blocks are Mixture-of-Experts blocks, whose experts run on "
+             "their routed tokens only; set tiled_mlp 0");
+    adjust_layers(spec, [mlp_tiles](const std::string&, const std::shared_ptr<torch::nn::Module>& m) {
+      if (auto b = std::dynamic_pointer_cast<GPTBlockImpl>(m)) {
+        TS_CHECK(!b->lora, "torchspeed.tiled_mlp with a LoRA adapter is not implemented; set tiled_mlp 0");
+        b->mlp_tiles = mlp_tiles;
+      }
+    });
+  }
+  if (loss_tiles > 1) {
+    const int64_t vocab = c.vocab;
+    // Cross-entropy summed per slice (each slice's logits made, used and freed inside its
+    // checkpoint, and made again in its backward), divided by the token count: the mean.
+    spec.fused_loss = [vocab, loss_tiles](const std::shared_ptr<torch::nn::Module>& last, const at::Tensor& x,
+                                          const at::Tensor& target) {
+      auto head = std::dynamic_pointer_cast<GPTHeadImpl>(last);
+      TS_CHECK(head, "torchspeed.tiled_loss: the last layer is not the dense GPT head (tensor parallelism has a ",
+               "vocabulary-parallel loss of its own; set tiled_loss 0)");
+      TS_CHECK(x.dim() == 3 && target.dim() == 2 && target.size(0) == x.size(0) && target.size(1) == x.size(1),
+               "tiled loss: hidden states ", x.sizes(), " and targets ", target.sizes(), " differ in batch or length");
+      const int64_t B = x.size(0), T = x.size(1);
+      const nn::TileFn piece = [head, target, vocab](const at::Tensor& h, int64_t start, int64_t length) {
+        return torch::nn::functional::cross_entropy(
+            head->forward(h).reshape({-1, vocab}).to(at::kFloat), target.narrow(1, start, length).reshape({-1}),
+            torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+      };
+      const at::Tensor total = nn::tiled(piece, x, head->parameters(), loss_tiles, nn::TileCombine::kSum);
+      return total / static_cast<double>(B * T);
+    };
+  }
+  return spec;
 }
 
 }  // namespace torchspeed::models

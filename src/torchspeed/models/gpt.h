@@ -125,6 +125,9 @@ class GPTEmbeddingImpl : public torch::nn::Module, public compression::Compressi
   torch::nn::Embedding tok{nullptr}, pos{nullptr};  // pos: learned positions only
   torch::nn::Dropout drop{nullptr};
   compression::SiteState tok_q, pos_q;
+  // Sequence parallelism: the tokens are the group rank's shard, so learned positions start at
+  // rank x tokens.
+  comm::CommunicatorPtr sp;
 };
 TORCH_MODULE(GPTEmbedding);
 
@@ -175,6 +178,13 @@ class GPTBlockImpl : public torch::nn::Module, public compression::Compressible,
   bool swiglu;
   RopeTables rope;  // undefined tensors with learned positions
   compression::SiteState qkv_q, attn_proj_q, fc_q, mlp_proj_q;
+  // Sequence parallelism (parallel/sequence.h): x holds the group rank's shard of each
+  // sequence; attention exchanges heads for tokens around itself.
+  comm::CommunicatorPtr sp;
+  // ALST's tiled MLP: in training, the dense MLP runs on this many slices of the sequence, each
+  // checkpointed (its [tokens, d_ff] activations exist for one slice at a time, forward and
+  // backward). 0 or 1: whole.
+  int64_t mlp_tiles = 0;
   // LoRA (models/lora.h): freezes the block's own parameters and adds the adapter's, registered
   // last as "lora"; its updates join the linears' outputs.
   void add_lora(const GPTConfig& c, const LoraOptions& options);
@@ -261,6 +271,17 @@ nn::StackSpec gpt_spec(const GPTConfig& config, uint64_t seed, comm::Communicato
                        comm::CommunicatorPtr ep = nullptr);
 // Builds the whole stack, seeded from the seed last given to torch::manual_seed.
 nn::LayerStack make_gpt(const GPTConfig& config);
+
+// DeepSpeed-Ulysses over `sp` (parallel/sequence.h; null or size 1: the spec unchanged): the
+// embedding's learned positions offset to the rank's shard, every block's attention exchanging
+// heads for tokens. Needs the dense (not tensor-parallel) layers and dense MLPs: an MoE block's
+// per-rank expert capacity and load-balancing loss would differ from the unsplit sequence's.
+nn::StackSpec sequence_parallel(nn::StackSpec spec, const GPTConfig& config, comm::CommunicatorPtr sp);
+// ALST's tiling (Arctic Long Sequence Training, Bekman et al. 2025): each block's dense MLP over
+// `mlp_tiles` slices of the sequence, and the LM head with its cross-entropy over `loss_tiles`
+// slices (a fused loss: the [tokens, vocab] logits never exist whole in training); each slice
+// checkpointed. 0 or 1: no tiling. Needs the dense (not tensor-parallel) head for the loss.
+nn::StackSpec tiled(nn::StackSpec spec, const GPTConfig& config, int64_t mlp_tiles, int64_t loss_tiles);
 
 }  // namespace torchspeed::models
 

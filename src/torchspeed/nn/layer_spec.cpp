@@ -65,6 +65,7 @@ LayerStack build(const StackSpec& spec, size_t begin, size_t end) {
     stack->add_any(l.name, std::move(m));
   }
   if (spec.loss) stack->set_loss(spec.loss);
+  if (spec.fused_loss && end == spec.size() && end > begin) stack->set_fused_loss(spec.fused_loss);
   return stack;
 }
 

@@ -32,6 +32,7 @@ struct LayerSpec {
 struct StackSpec {
   std::vector<LayerSpec> layers;
   LossFn loss;
+  FusedLossFn fused_loss;  // set on a stack built with its last layer
   uint64_t seed = 0;
 
   size_t size() const { return layers.size(); }

@@ -18,6 +18,12 @@ namespace torchspeed::nn {
 
 // loss(output of the last layer, target) -> scalar loss.
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+// A loss that runs the last layer itself (ALST's tiled loss: the LM head and cross-entropy a
+// slice of the sequence at a time, so the logits never exist whole): (the last layer, the
+// output of the layer before it, target) -> the scalar loss LossFn gives on the last layer's
+// output.
+using FusedLossFn = std::function<at::Tensor(const std::shared_ptr<torch::nn::Module>& last, const at::Tensor& x,
+                                             const at::Tensor& target)>;
 
 class LayerStackImpl : public torch::nn::Module {
  public:
@@ -40,6 +46,13 @@ class LayerStackImpl : public torch::nn::Module {
     loss_ = std::move(loss);
     return *this;
   }
+  // Training's loss then runs the last layer through `fused` (the engine calls it in place of
+  // the last layer and loss()); forward() and loss() are unchanged.
+  LayerStackImpl& set_fused_loss(FusedLossFn fused) {
+    fused_loss_ = std::move(fused);
+    return *this;
+  }
+  const FusedLossFn& fused_loss() const { return fused_loss_; }
 
   size_t size() const { return layers_.size(); }
   const std::string& layer_name(size_t i) const { return layers_.at(i).first; }
@@ -55,6 +68,7 @@ class LayerStackImpl : public torch::nn::Module {
  private:
   std::vector<std::pair<std::string, torch::nn::AnyModule>> layers_;
   LossFn loss_;
+  FusedLossFn fused_loss_;
 };
 TORCH_MODULE(LayerStack);
 

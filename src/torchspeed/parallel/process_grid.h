@@ -64,6 +64,11 @@ struct ParallelGroups {
   comm::CommunicatorPtr ep;
   comm::CommunicatorPtr edp;
   int ep_size() const { return ep ? ep->size() : 1; }
+  // Sequence parallelism (DeepSpeed-Ulysses' sequence_parallel_size, parallel/sequence.h):
+  // groups of consecutive data-parallel ranks that split each sequence between them. Null when
+  // none were made (size 1).
+  comm::CommunicatorPtr sp;
+  int sp_size() const { return sp ? sp->size() : 1; }
   int prev_stage = -1;           // rank in `pp` of the previous stage, -1 on the first
   int next_stage = -1;           // rank in `pp` of the next stage, -1 on the last
   bool first_stage() const { return coord.pp == 0; }
