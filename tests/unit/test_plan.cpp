@@ -184,7 +184,7 @@ TEST(Plan, SearchOffersOnlyLayoutsTheEngineAcceptsAndRanksThem) {
   for (const auto& e : all) {
     const Layout& l = e.layout;
     EXPECT_EQ(l.dp * l.tp * l.pp, 4);
-    EXPECT_EQ(l.dp * l.micro * l.accumulation, 16);
+    EXPECT_EQ(l.dp / l.sp * l.micro * l.accumulation, 16) << "the batch counts dp / sp sequences per micro-step";
     EXPECT_LE(l.tp, c.devices_per_node) << "tensor parallelism stays within a node";
     EXPECT_FALSE(l.zero >= 2 && l.pp > 1) << "ZeRO 2-3 with a pipeline";
     EXPECT_FALSE(l.offload != Offload::kNone && l.zero == 0);

@@ -242,6 +242,11 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
                                                                           {"--heads", &o->model.heads}, {"--seq", &o->model.seq},
                                                                           {"--vocab", &o->model.vocab}})
     cmd->add_option(flag, *field, "Model shape")->check(CLI::PositiveNumber);
+  cmd->add_option("--experts", o->model.experts, "Mixture of Experts: SwiGLU experts per block (0: dense)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-k", o->model.top_k, "Mixture of Experts: experts per token")->check(CLI::PositiveNumber);
+  cmd->add_option("--expert-ff", o->model.expert_ff, "Mixture of Experts: an expert's width (0: 4 hidden)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--tiled-mlp", o->training.tiled_mlp, "ALST's tiled MLP: slices of the sequence (torchspeed.tiled_mlp)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--tiled-loss", o->training.tiled_loss, "ALST's tiled loss: slices of the sequence (torchspeed.tiled_loss)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--batch", o->training.global_batch, "Global batch (samples per step)")->check(CLI::PositiveNumber);
   cmd->add_flag("--bf16", o->training.bf16, "bf16 training (fp32 masters)");
   cmd->add_option("--nodes", o->nodes, "Override the cluster's nodes")->check(CLI::PositiveNumber);
@@ -261,12 +266,13 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
     // Flags given on the command line win over the config's values.
     const plan::TrainingSpec flags = o->training;
     if (!o->config.empty()) {
-      for (const char* f : {"--layers", "--hidden", "--heads", "--seq", "--vocab"})
+      for (const char* f : {"--layers", "--hidden", "--heads", "--seq", "--vocab", "--experts", "--top-k", "--expert-ff"})
         TS_CHECK(cmd->count(f) == 0, "give the model by --config or by --layers/--hidden/..., not both (", f, ")");
       const nlohmann::json j = config::read_json_file(o->config);
       const auto gpt = models::GPTConfig::from_json(j.value("model", nlohmann::json::object()));
       m.layers = gpt.n_layer, m.hidden = gpt.d_model, m.heads = gpt.n_head, m.seq = gpt.seq_len, m.vocab = gpt.vocab;
       m.tied = gpt.tie_embeddings;
+      if (gpt.moe.enabled()) m.experts = gpt.moe.num_experts, m.top_k = gpt.moe.k, m.expert_ff = gpt.experts().d_ff;
       auto section = [&](const char* key) {
         if (!j.contains(key)) return nlohmann::json::object();
         TS_CHECK(j[key].is_object(), o->config, ": ", key, " must be an object");
@@ -299,6 +305,9 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
       t.quantized_gradients = flag(z, "zero_optimization.", "zero_quantized_gradients", false);
       t.quantized_weights = flag(z, "zero_optimization.", "zero_quantized_weights", false);
       t.hpz_partition_size = static_cast<int>(number(z, "zero_optimization.", "zero_hpz_partition_size", 1));
+      const auto ts = section("torchspeed");
+      t.tiled_mlp = static_cast<int64_t>(number(ts, "torchspeed.", "tiled_mlp", 0));
+      t.tiled_loss = static_cast<int64_t>(number(ts, "torchspeed.", "tiled_loss", 0));
       TS_CHECK(t.hpz_partition_size >= 1, o->config, ": zero_optimization.zero_hpz_partition_size must be >= 1, not ", t.hpz_partition_size);
       // The scores are stored unless the fused kernel runs: fp32 without attention dropout
       // (Note [Causal attention] in models/gpt.cpp).
@@ -366,34 +375,42 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
         else if (k == "zero") l.zero = static_cast<int>(n);
         else if (k == "micro") l.micro = n;
         else if (k == "ckpt") l.checkpointing = n != 0;
-        else TS_CHECK(false, "--layout: unknown key '", k, "' (dp, tp, pp, zero, micro, ckpt, offload)");
+        else if (k == "sp") l.sp = static_cast<int>(n);
+        else if (k == "ep") l.ep = static_cast<int>(n);
+        else TS_CHECK(false, "--layout: unknown key '", k, "' (dp, tp, pp, sp, ep, zero, micro, ckpt, offload)");
       }
-      if (l.dp > 0 && l.micro > 0) l.accumulation = o->training.global_batch / (static_cast<int64_t>(l.dp) * l.micro);
+      if (l.dp > 0 && l.sp > 0 && l.dp % l.sp == 0 && l.micro > 0)
+        l.accumulation = o->training.global_batch / (static_cast<int64_t>(l.dp / l.sp) * l.micro);
       const std::string bad = plan::check_layout(m, c, o->training, l);
       TS_CHECK(bad.empty(), "--layout ", o->layout, ": ", bad);
       estimates.push_back(plan::estimate(m, c, o->training, l));
     } else {
       estimates = plan::search(m, c, o->training);
     }
-    std::printf("torchspeed plan: GPT %ld layers, d %ld, %ld heads, seq %ld, vocab %ld: %.2fM parameters; batch %ld, %s\n",
+    std::printf("torchspeed plan: GPT %ld layers, d %ld, %ld heads, seq %ld, vocab %ld: %.2fM parameters%s; batch %ld, %s%s\n",
                 static_cast<long>(m.layers), static_cast<long>(m.hidden), static_cast<long>(m.heads), static_cast<long>(m.seq),
-                static_cast<long>(m.vocab), static_cast<double>(m.params()) / 1e6, static_cast<long>(o->training.global_batch),
-                o->training.bf16 ? "bf16" : "fp32");
+                static_cast<long>(m.vocab), static_cast<double>(m.params()) / 1e6,
+                m.experts > 0 ? concat(", ", m.experts, " experts of width ", m.ff(), " per block, ", m.top_k, " per token").c_str() : "",
+                static_cast<long>(o->training.global_batch), o->training.bf16 ? "bf16" : "fp32",
+                o->training.tiled_mlp > 1 || o->training.tiled_loss > 1
+                    ? concat(", tiled MLP ", o->training.tiled_mlp, " / loss ", o->training.tiled_loss).c_str()
+                    : "");
     std::printf("  cluster: %d nodes x %d devices, %.2f GB each%s%s\n", c.nodes, c.devices_per_node, c.memory / 1e9,
                 c.source.empty() ? "" : "; ", c.source.c_str());
     // Memory in GB, or MB for small models.
     const bool small = !estimates.empty() && estimates.front().memory.total() < 1e9;
     const double unit = small ? 1e6 : 1e9;
-    std::printf("%-52s %9s %9s %9s %9s | %9s %8s %8s %8s %8s %8s %9s\n", "layout", small ? "mem MB" : "mem GB", "states", "act", "buf",
-                "step s", "compute", "bubble", "tp/pp", "dp", "optim", "TFLOP/s");
+    std::printf("%-60s %9s %9s %9s %9s | %9s %8s %8s %8s %8s %8s %8s %9s %9s\n", "layout", small ? "mem MB" : "mem GB", "states", "act",
+                "buf", "step s", "compute", "bubble", "tp/pp", "dp", "a2a", "optim", "a2a MB", "TFLOP/s");
     int shown = 0;
     for (const auto& e : estimates) {
       if (shown++ >= o->top) break;
       const auto& mem = e.memory;
       const auto& t = e.time;
-      std::printf("%-52s %9.3f %9.3f %9.3f %9.3f | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %9.3f%s\n", e.layout.describe().c_str(),
+      std::printf("%-60s %9.3f %9.3f %9.3f %9.3f | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f %9.2f %9.3f%s\n", e.layout.describe().c_str(),
                   mem.total() / unit, (mem.params + mem.grads + mem.optimizer) / unit, mem.activations / unit, mem.buffers / unit,
-                  t.total(), t.compute, t.bubble, t.tp_comm + t.pp_comm, t.dp_comm, t.optimizer + t.offload, e.flops_per_device / 1e12,
+                  t.total(), t.compute, t.bubble, t.tp_comm + t.pp_comm, t.dp_comm, t.a2a_comm, t.optimizer + t.offload,
+                  e.a2a_bytes / 1e6, e.flops_per_device / 1e12,
                   e.fits ? "" : e.why_not.empty() ? "  does not fit" : ("  not estimated: " + e.why_not).c_str());
     }
     if (!o->json.empty()) {

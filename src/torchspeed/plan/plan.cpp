@@ -30,17 +30,31 @@ models::GPTConfig as_gpt(const ModelSpec& m) {
   models::GPTConfig g;
   g.vocab = m.vocab, g.seq_len = m.seq, g.d_model = m.hidden, g.n_layer = m.layers, g.n_head = m.heads;
   g.tie_embeddings = m.tied;
+  if (m.experts > 0) {
+    g.activation = "swiglu";
+    g.mlp_bias = false;
+    g.moe.num_experts = m.experts;
+    g.moe.k = m.top_k;
+    g.moe.d_ff = m.ff();
+  }
   return g;
 }
 
-// A block's parameters on one tensor-parallel rank: the four weight matrices and the column-
-// parallel biases split; the LayerNorms and the row-parallel biases (2 d) replicated.
-double block_params_tp(const ModelSpec& m, int tp) {
+// A block's parameters on one tensor-parallel rank: the attention's weight matrices and column-
+// parallel biases split, the LayerNorms and the row-parallel bias replicated; the dense MLP
+// split likewise, or an MoE block's gate and its experts whole on every tensor-parallel rank,
+// the experts 1/ep on each expert-parallel rank.
+double block_params_tp(const ModelSpec& m, int tp, int ep = 1) {
   const double d = static_cast<double>(m.hidden), t = tp;
-  return 4 * d + (3 * d * d + 3 * d) / t + (d * d) / t + d + (4 * d * d + 4 * d) / t + (4 * d * d) / t + d;
+  const double attn = 4 * d + (3 * d * d + 3 * d) / t + (d * d) / t + d;
+  if (m.experts > 0) return attn + d * static_cast<double>(m.experts) + m.expert_params() / ep;
+  return attn + (4 * d * d + 4 * d) / t + (4 * d * d) / t + d;
 }
 }  // namespace
 
+double ModelSpec::expert_params() const {
+  return static_cast<double>(experts) * 3.0 * static_cast<double>(hidden) * static_cast<double>(ff());
+}
 int64_t ModelSpec::block_params() const { return static_cast<int64_t>(block_params_tp(*this, 1)); }
 int64_t ModelSpec::params() const { return as_gpt(*this).num_params(); }
 double ModelSpec::flops_per_token() const { return as_gpt(*this).flops_per_token(); }
@@ -54,13 +68,19 @@ ModelSpec ModelSpec::from_json(const nlohmann::json& j) {
   m.seq = static_cast<int64_t>(number(j, "model", "seq"));
   m.vocab = static_cast<int64_t>(number(j, "model", "vocab"));
   if (j.contains("tied")) m.tied = j.at("tied").get<bool>();
+  m.experts = static_cast<int64_t>(number(j, "model", "experts", 0));
+  m.top_k = static_cast<int64_t>(number(j, "model", "top_k", 2));
+  m.expert_ff = static_cast<int64_t>(number(j, "model", "expert_ff", 0));
+  TS_CHECK(m.experts == 0 || (m.top_k >= 1 && m.top_k <= m.experts), "model.top_k ", m.top_k, " must be 1..experts (", m.experts, ")");
   TS_CHECK(m.layers > 0 && m.hidden > 0 && m.heads > 0 && m.seq > 0 && m.vocab > 0, "model: layers, hidden, heads, seq and vocab must be > 0");
   TS_CHECK(m.hidden % m.heads == 0, "model.hidden ", m.hidden, " is not a multiple of model.heads ", m.heads);
   return m;
 }
 
 nlohmann::json ModelSpec::to_json() const {
-  return {{"layers", layers}, {"hidden", hidden}, {"heads", heads}, {"seq", seq}, {"vocab", vocab}, {"tied", tied}, {"params", params()}};
+  nlohmann::json j = {{"layers", layers}, {"hidden", hidden}, {"heads", heads}, {"seq", seq}, {"vocab", vocab}, {"tied", tied}, {"params", params()}};
+  if (experts > 0) j.update({{"experts", experts}, {"top_k", top_k}, {"expert_ff", ff()}});
+  return j;
 }
 
 ClusterSpec ClusterSpec::from_json(const nlohmann::json& j) {
@@ -131,17 +151,20 @@ const char* offload_name(Offload o) {
 }
 
 std::string Layout::describe() const {
-  return concat("dp ", dp, " tp ", tp, " pp ", pp, " zero ", zero, offload == Offload::kNone ? "" : concat(" offload ", offload_name(offload)),
-                " micro ", micro, " x", accumulation, checkpointing ? " ckpt" : "");
+  return concat("dp ", dp, " tp ", tp, " pp ", pp, sp > 1 ? concat(" sp ", sp) : "", ep > 1 ? concat(" ep ", ep) : "", " zero ", zero,
+                offload == Offload::kNone ? "" : concat(" offload ", offload_name(offload)), " micro ", micro, " x", accumulation,
+                checkpointing ? " ckpt" : "");
 }
 
 std::vector<Stage> pipeline_stages(const ModelSpec& m, const Layout& l) {
   const double d = static_cast<double>(m.hidden), V = static_cast<double>(m.vocab), t = l.tp;
   const double embed = V * d / t + static_cast<double>(m.seq) * d;  // vocabulary-parallel, positions replicated
-  const double block = block_params_tp(m, l.tp);
+  const double block = block_params_tp(m, l.tp, l.ep);
+  const double experts = m.experts > 0 ? m.expert_params() / l.ep : 0.0;
   if (l.pp == 1) {
     // One stage: a tied head shares the embedding's weight.
-    return {{embed + static_cast<double>(m.layers) * block + 2 * d + (m.tied ? 0.0 : V * d / t), m.layers, true, true}};
+    const double L = static_cast<double>(m.layers);
+    return {{embed + L * block + 2 * d + (m.tied ? 0.0 : V * d / t), L * experts, m.layers, true, true}};
   }
   // The engine's default partition_method "parameters": contiguous stages balancing the layers'
   // parameter counts (the last stage keeps its own copy of a tied head).
@@ -156,7 +179,7 @@ std::vector<Stage> pipeline_stages(const ModelSpec& m, const Layout& l) {
       st.params += static_cast<double>(w[i]);
       if (i == 0) st.embed = true;
       else if (i == w.size() - 1) st.head = true;
-      else ++st.blocks;
+      else ++st.blocks, st.expert_params += experts;
     }
     out.push_back(st);
   }
@@ -252,8 +275,17 @@ std::string check_layout(const ModelSpec& m, const ClusterSpec& c, const Trainin
   if (l.offload == Offload::kOptimizerAndParams && l.zero != 3) return "parameter offload needs ZeRO stage 3";
   if (l.zero == 3 && t.hpz_partition_size > 1 && l.dp % t.hpz_partition_size)
     return concat("zero_hpz_partition_size ", t.hpz_partition_size, " must divide dp ", l.dp);
-  if (t.global_batch % (static_cast<int64_t>(l.dp) * l.micro)) return concat("the batch ", t.global_batch, " is not a multiple of dp x micro");
-  if (l.accumulation != t.global_batch / (l.dp * l.micro)) return concat("accumulation must be batch / (dp x micro) = ", t.global_batch / (l.dp * l.micro));
+  if (l.sp < 1 || l.ep < 1) return "sp and ep must be >= 1";
+  if (l.dp % l.sp) return concat("sp ", l.sp, " must divide dp ", l.dp);
+  if (l.sp > 1 && (l.tp > 1 || l.pp > 1)) return "sequence parallelism runs with tp 1 and pp 1";
+  if (l.sp > 1 && m.experts > 0) return "sequence parallelism does not take MoE blocks";
+  if (m.heads % l.sp || m.seq % l.sp) return concat("sp ", l.sp, " must divide the heads (", m.heads, ") and the sequence (", m.seq, ")");
+  if (l.dp % l.ep) return concat("ep ", l.ep, " must divide dp ", l.dp);
+  if (l.ep > 1 && (m.experts == 0 || m.experts % l.ep)) return concat("ep ", l.ep, " must divide the experts (", m.experts, ")");
+  const int64_t replicas = l.dp / l.sp;
+  if (t.global_batch % (replicas * l.micro)) return concat("the batch ", t.global_batch, " is not a multiple of dp / sp x micro");
+  if (l.accumulation != t.global_batch / (replicas * l.micro))
+    return concat("accumulation must be batch / (dp / sp x micro) = ", t.global_batch / (replicas * l.micro));
   return "";
 }
 
@@ -265,28 +297,46 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
   const std::vector<Stage> stages = pipeline_stages(m, l);
   const double b = t.bf16 ? 2 : 4, pb = t.bf16 ? 2 : 4, g = t.grad_bytes, k = t.bf16 ? 12 : 8;
   const double d = static_cast<double>(m.hidden), V = static_cast<double>(m.vocab), tp = l.tp;
-  const double n = static_cast<double>(l.micro * m.seq);  // tokens of a micro-batch
+  const double n = static_cast<double>(l.micro * m.seq) / l.sp;  // tokens of a micro-batch on a rank
   const int64_t mb = l.accumulation;  // micro-batches per step and pipeline
 
   // Memory (Note [Plan model]): the stage whose rank holds the most.
   const double scores = t.flash_attention ? 0.0 : 5.0 * static_cast<double>(m.heads * m.seq) / tp * (b / 2);
-  const double block_full = n * (b * d * (4 + 13 / tp) + 4.0 * static_cast<double>(m.heads) / tp + scores);
-  const double block_kept = l.checkpointing ? n * b * d : block_full;
+  // The MLP's share of a block's activations: GELU's input and output (8 d / tp), or an MoE
+  // block's router logits (fp32) and, per routed copy of a token, its input, the experts'
+  // gate-up output and activation, and its output (k (2 d + 3 f)).
+  const double mlp_act = m.experts > 0 ? b * static_cast<double>(m.top_k) * (2 * d + 3.0 * static_cast<double>(m.ff())) +
+                                              4.0 * static_cast<double>(m.experts)
+                                        : b * 8 * d / tp;
+  // ALST's tiled MLP keeps none of it past its slice: one slice's set while it is replayed.
+  const double mlp_tiles = m.experts == 0 && t.tiled_mlp > 1 ? static_cast<double>(t.tiled_mlp) : 1.0;
+  const double block_rest = n * (b * d * (4 + 5 / tp) + 4.0 * static_cast<double>(m.heads) / tp + scores);
+  const double block_full = block_rest + n * mlp_act;
+  const double block_kept = l.checkpointing ? n * b * d : mlp_tiles > 1 ? block_rest : block_full;
+  const double mlp_slice = mlp_tiles > 1 ? n * mlp_act / mlp_tiles : 0.0;
   // The head: its LayerNorm output, the fp32 log-softmax kept for the loss's backward, and in
-  // that backward the log-softmax's gradient and the logits' gradient.
-  const double head = n * (b * d + 3 * (V / tp) * 4);
-  const double layer = block_params_tp(m, l.tp);
+  // that backward the log-softmax's gradient and the logits' gradient; the tiled loss holds the
+  // vocabulary-wide ones for one slice at a time.
+  const double loss_tiles = t.tiled_loss > 1 ? static_cast<double>(t.tiled_loss) : 1.0;
+  const double head = n * b * d + n / loss_tiles * 3 * (V / tp) * 4;
+  const double layer = block_params_tp(m, l.tp, l.ep);
   double psi = 0;  // the most parameters on a stage (its data-parallel collectives)
   for (size_t si = 0; si < stages.size(); ++si) {
     const Stage& st = stages[si];
     psi = std::max(psi, st.params);
-    Memory mem = model_states(st.params, l.zero, l.dp, t.bf16, l.offload, t.grad_bytes);
+    // Dense parameters partition over dp, experts over the expert-data-parallel dp / ep.
+    Memory mem = model_states(st.params - st.expert_params, l.zero, l.dp, t.bf16, l.offload, t.grad_bytes);
+    if (st.expert_params > 0) {
+      const Memory ex = model_states(st.expert_params, l.zero, l.dp / l.ep, t.bf16, l.offload, t.grad_bytes);
+      mem.params += ex.params, mem.grads += ex.grads, mem.optimizer += ex.optimizer;
+    }
     // hpZ: the secondary partition, 1/h of every gathered layer (Note [Hierarchical partitioning]).
     if (l.zero == 3 && t.hpz_partition_size > 1) mem.params += pb * st.params / t.hpz_partition_size;
     // 1F1B: stage s holds min(pp - s, m) micro-batches' activations.
     const double in_flight = std::min<double>(static_cast<double>(l.pp - static_cast<int>(si)), static_cast<double>(mb));
     mem.activations = in_flight * static_cast<double>(st.blocks) * block_kept + (st.head ? head : 0.0) +
-                      (l.checkpointing && st.blocks > 0 ? block_full : 0.0);
+                      (l.checkpointing && st.blocks > 0 ? (mlp_tiles > 1 ? block_rest : block_full) : 0.0) +
+                      (st.blocks > 0 ? mlp_slice : 0.0);
     const double bucket = std::min(static_cast<double>(t.reduce_bucket_size), st.params);
     // Stages 0-2 accumulate gradients straight into their flat buffers; stage 3 gathers a layer's
     // gradient whole before its reduce-scatter.
@@ -307,7 +357,11 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
   const ComputePoint rate = compute_rate(c, l.micro * m.seq, m.hidden, l.tp);
   TS_CHECK(rate.tokens == 0 || rate.dtype.empty() || rate.dtype == (t.bf16 ? "bf16" : "fp32"), "plan: the cluster's compute was measured in ",
            rate.dtype, ", the plan is for ", t.bf16 ? "bf16" : "fp32", ": calibrate with", t.bf16 ? " --bf16" : "out --bf16");
-  const double block_flops = n * (6.0 * static_cast<double>(m.block_params()) / tp + 12.0 * d * static_cast<double>(m.seq) / tp);
+  // An MoE block computes its gate and k experts per token.
+  const double active_block = m.experts > 0 ? static_cast<double>(m.block_params()) - m.expert_params() +
+                                                  m.expert_params() * static_cast<double>(m.top_k) / static_cast<double>(m.experts)
+                                            : static_cast<double>(m.block_params());
+  const double block_flops = n * (6.0 * active_block / tp + 12.0 * d * static_cast<double>(m.seq) / tp);
   const double head_flops = n * 6.0 * d * V / tp;
   // A checkpointed block runs its forward again in backward.
   const double replayed = l.checkpointing ? 1.0 + rate.forward_share : 1.0;
@@ -330,6 +384,23 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
   // Stages are dp x tp ranks apart: on several nodes, some boundary crosses a node's link.
   const Link& ppl = c.nodes > 1 && l.dp * l.tp * l.pp > c.devices_per_node ? inter_link(c) : c.intra;
   const double t_pp = l.pp > 1 ? 2 * (ppl.latency + act_bytes / ppl.bandwidth) : 0.0;
+  // All-to-all (within a node): Ulysses sends (sp - 1) / sp of each local token's q, k, v (3 d)
+  // and attention output (d) in forward, their gradients in backward, again when replayed; the
+  // experts' dispatch and combine send (ep - 1) / ep of each token's k routed copies (d each)
+  // twice in forward and twice in backward.
+  const double replays = l.checkpointing ? 3.0 : 2.0;
+  double a2a = 0;
+  int exchanges = 0;
+  if (l.sp > 1) {
+    a2a += blocks * replays * n * 4 * d * b * (l.sp - 1.0) / l.sp;
+    exchanges += static_cast<int>(blocks * replays * 2);
+  }
+  if (l.ep > 1) {
+    a2a += blocks * (replays + 1) * n * static_cast<double>(m.top_k) * d * b * (l.ep - 1.0) / l.ep;
+    exchanges += static_cast<int>(blocks * (replays + 1) * 2);
+  }
+  e.a2a_bytes = static_cast<double>(mb) * a2a;
+  e.time.a2a_comm = a2a > 0 ? static_cast<double>(mb) * (exchanges * c.intra.latency + a2a / c.intra.bandwidth) : 0.0;
   e.time.compute = static_cast<double>(mb) * t_stage;
   e.time.tp_comm = static_cast<double>(mb) * t_tp;
   e.time.pp_comm = static_cast<double>(mb) * t_pp;
@@ -370,7 +441,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const TrainingSpec& 
   const double backward = e.time.compute * 2.0 / 3.0 / (l.zero <= 1 ? static_cast<double>(mb) : 1.0);
   const double hidden = t.overlap_comm.value_or(l.zero == 3) ? std::min(c.overlap * grad_comm, backward) : 0.0;
   e.time.dp_comm = grad_comm - hidden + param_comm;
-  const double update = psi / (l.zero >= 1 ? l.dp : 1);
+  const double update = psi / (l.zero >= 1 ? l.dp : 1);  // (experts: psi / ep over dp / ep, the same)
   e.time.optimizer = update / c.optimizer_rate;
   if (l.offload != Offload::kNone) {
     TS_CHECK(c.nvme_bandwidth > 0, "plan: offload needs cluster.nvme_bandwidth");
@@ -398,8 +469,14 @@ std::vector<Estimate> search(const ModelSpec& m, const ClusterSpec& c, const Tra
           if (off != Offload::kNone && c.nvme_bandwidth <= 0) continue;
           for (int64_t micro = 1; micro <= per_dp; ++micro) {
             if (per_dp % micro) continue;
-            for (bool ckpt : {false, true}) {
-              const Layout l{dp, tp, pp, zero, off, micro, per_dp / micro, ckpt};
+            for (bool ckpt : {false, true})
+            for (int sp = 1; sp <= dp; ++sp)
+            for (int ep = 1; ep <= dp; ++ep) {
+              if (dp % sp || dp % ep || (sp > 1 && (tp > 1 || pp > 1 || m.experts > 0)) || (ep > 1 && m.experts % ep)) continue;
+              const int64_t per_replica = t.global_batch / (dp / sp);
+              if (t.global_batch % (dp / sp) || per_replica % micro) continue;
+              Layout l{dp, tp, pp, zero, off, micro, per_replica / micro, ckpt};
+              l.sp = sp, l.ep = ep;
               if (!check_layout(m, c, t, l).empty()) continue;
               try {
                 out.push_back(estimate(m, c, t, l));
@@ -423,15 +500,16 @@ std::vector<Estimate> search(const ModelSpec& m, const ClusterSpec& c, const Tra
 
 nlohmann::json to_json(const Estimate& e) {
   const Layout& l = e.layout;
-  return {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"zero", l.zero}, {"offload", offload_name(l.offload)},
+  return {{"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp}, {"sp", l.sp}, {"ep", l.ep}, {"zero", l.zero}, {"offload", offload_name(l.offload)},
           {"micro", l.micro}, {"accumulation", l.accumulation}, {"checkpointing", l.checkpointing},
           {"fits", e.fits},
           {"memory", {{"params", e.memory.params}, {"grads", e.memory.grads}, {"optimizer", e.memory.optimizer},
                       {"activations", e.memory.activations}, {"buffers", e.memory.buffers}, {"total", e.memory.total()}}},
           {"time", {{"compute", e.time.compute}, {"bubble", e.time.bubble}, {"tp_comm", e.time.tp_comm}, {"pp_comm", e.time.pp_comm},
                     {"dp_comm", e.time.dp_comm}, {"optimizer", e.time.optimizer}, {"offload", e.time.offload},
+                    {"a2a_comm", e.time.a2a_comm},
                     {"total", e.time.total()}}},
-          {"flops_per_device", e.flops_per_device}, {"why_not", e.why_not}};
+          {"flops_per_device", e.flops_per_device}, {"a2a_bytes", e.a2a_bytes}, {"why_not", e.why_not}};
 }
 
 }  // namespace torchspeed::plan

@@ -27,6 +27,16 @@
 //    accumulate into their flat gradient buffers), and at stage 3 the gathered parameters (the
 //    prefetch bucket plus the running layer, at most all of them) and one layer's gradient
 //    before its reduce-scatter.
+// Sequence parallelism (Layout::sp, Ulysses) divides a rank's tokens n by sp: every activation
+// above is per local token (attention's q, k, v and output cover the whole sequence for 1/sp
+// of the heads: the same bytes). ALST's tiled MLP keeps none of the MLP's 8 d / tp past its
+// slice (one slice's set while replayed), the tiled loss the vocabulary-wide 3 V / tp for one
+// slice at a time. An MoE block (ModelSpec::experts) keeps its router's fp32 logits and, per
+// routed copy of a token, k (2 d + 3 f) (dispatched input, gate-up output, activation, output)
+// instead of the MLP's; its experts are 1/ep per rank and partitioned over dp / ep.
+// All-to-all bytes a rank sends per block and micro-batch: sp's (sp - 1) / sp x 4 d per local
+// token in forward, backward (and the replay); ep's (ep - 1) / ep x k d per token, dispatch and
+// combine, forward and backward; timed on the node's link with a latency per exchange.
 // Step time, seconds: compute of the slowest pipeline stage, (m + pp - 1) micro-batches with
 // the bubble, at the rate measured for this block shape (`--calibrate`) or else the GEMMs at the
 // device's peak times its efficiency plus the block's elementwise traffic (Korthikanti et al.'s
@@ -60,6 +70,11 @@ namespace torchspeed::plan {
 struct ModelSpec {
   int64_t layers = 12, hidden = 768, heads = 12, seq = 1024, vocab = 50257;
   bool tied = true;
+  // Mixture of Experts (models/moe.h): every block's MLP is `experts` SwiGLU experts of width
+  // expert_ff (0: 4 hidden), top_k per token, behind DeepSpeed-MoE's gate. 0: dense.
+  int64_t experts = 0, top_k = 2, expert_ff = 0;
+  int64_t ff() const { return expert_ff > 0 ? expert_ff : 4 * hidden; }
+  double expert_params() const;  // one block's experts, all of them
   // As models::GPTConfig counts them.
   int64_t params() const;
   int64_t block_params() const;
@@ -118,6 +133,10 @@ struct Layout {
   Offload offload = Offload::kNone;
   int64_t micro = 1, accumulation = 1;
   bool checkpointing = false;
+  // Sequence parallelism (Ulysses: sp consecutive data-parallel ranks split each sequence; the
+  // batch counts dp / sp sequences per micro-step) and expert parallelism (ep data-parallel
+  // ranks hold a block's experts between them; ZeRO partitions the experts over dp / ep).
+  int sp = 1, ep = 1;
   std::string describe() const;
 };
 
@@ -139,6 +158,8 @@ struct TrainingSpec {
   // within h consecutive data-parallel ranks.
   bool quantized_gradients = false, quantized_weights = false;
   int hpz_partition_size = 1;
+  // ALST's tiling (torchspeed.tiled_mlp, tiled_loss): slices of the sequence (0: none).
+  int64_t tiled_mlp = 0, tiled_loss = 0;
 };
 
 struct Memory {
@@ -148,7 +169,8 @@ struct Memory {
 
 struct StepTime {
   double compute = 0, bubble = 0, tp_comm = 0, pp_comm = 0, dp_comm = 0, optimizer = 0, offload = 0;
-  double total() const { return compute + bubble + tp_comm + pp_comm + dp_comm + optimizer + offload; }
+  double a2a_comm = 0;  // sequence and expert parallelism's all-to-all exchanges
+  double total() const { return compute + bubble + tp_comm + pp_comm + dp_comm + optimizer + offload + a2a_comm; }
 };
 
 struct Estimate {
@@ -156,6 +178,7 @@ struct Estimate {
   Memory memory;
   StepTime time;
   double flops_per_device = 0;  // the model's training FLOPs per second per device
+  double a2a_bytes = 0;         // bytes one rank sends by all-to-all per step (sp and ep)
   bool fits = false;
   std::string why_not;  // search: why it could not be estimated (fits is false)
 };
@@ -164,6 +187,7 @@ struct Estimate {
 // ("parameters") cuts the stack [embedding, blocks..., head].
 struct Stage {
   double params = 0;
+  double expert_params = 0;  // of `params`: this rank's experts (partitioned over dp / ep)
   int64_t blocks = 0;
   bool embed = false, head = false;
 };
