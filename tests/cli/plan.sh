@@ -1,7 +1,8 @@
 #!/bin/sh
 # torchspeed plan: --calibrate on 2 ranks writes a cluster with every micro-batch x tp point and
 # the link; the search lists only layouts of 2 devices, fastest first; errors name the key; and
-# the predicted peak memory of four layouts (ZeRO-1, ZeRO-2 with checkpointing, tp 2, Ulysses sp 2) is within
+# the predicted peak memory of five layouts (ZeRO-1, ZeRO-2 with checkpointing, tp 2, Ulysses sp 2, an MoE
+# model at ep 2) is within
 # 10% of what training them measures (the peak of LibTorch's CPU allocations while the steps of
 # an autotuning experiment run). Step times are benchmarks/plan_check.sh's, not a test's.
 # usage: plan.sh TORCHSPEED
@@ -24,7 +25,7 @@ cat > cfg.json <<'JSON'
 }
 JSON
 for case in "z1 dp=2,tp=1,pp=1,zero=1,micro=4,ckpt=0" "z2ckpt dp=2,tp=1,pp=1,zero=2,micro=4,ckpt=1" "tp2 dp=1,tp=2,pp=1,zero=0,micro=4,ckpt=0" \
-    "sp2 dp=2,tp=1,pp=1,sp=2,zero=1,micro=4,ckpt=0"; do
+    "sp2 dp=2,tp=1,pp=1,sp=2,zero=1,micro=4,ckpt=0" "ep2 dp=2,tp=1,pp=1,ep=2,zero=1,micro=4,ckpt=0"; do
   name=${case%% *} layout=${case#* }
   python3 - "$layout" "$name" <<'PY'
 import json, sys
@@ -35,6 +36,8 @@ cfg["zero_optimization"]["stage"] = int(l["zero"])
 if int(l["tp"]) > 1: cfg["tensor_parallel"] = {"tp_size": int(l["tp"])}
 if int(l["ckpt"]): cfg["pipeline"] = {"activation_checkpoint_interval": 1}
 if int(l.get("sp", 1)) > 1: cfg["sequence_parallel_size"] = int(l["sp"])
+if int(l.get("ep", 1)) > 1:  # 4 SwiGLU experts of width 256, 2 per token, over ep ranks
+    cfg["model"].update(activation="swiglu", mlp_bias=False, moe={"num_experts": 4, "k": 2, "d_ff": 256, "ep_size": int(l["ep"])})
 cfg["autotuning"]["metric_path"] = sys.argv[2] + ".metrics.json"
 json.dump(cfg, open(sys.argv[2] + ".json", "w"))
 PY
@@ -65,7 +68,7 @@ assert all(e["dp"] * e["tp"] * e["pp"] == 2 and e["dp"] // e["sp"] * e["micro"] 
 assert any(e["sp"] == 2 and e["a2a_bytes"] > 0 for e in s), "FAIL no sequence-parallel layout searched"
 fit = [e["time"]["total"] for e in s if e["fits"]]
 assert fit and fit == sorted(fit), "FAIL not fastest first (or nothing fits)"
-for name in ("z1", "z2ckpt", "tp2", "sp2"):
+for name in ("z1", "z2ckpt", "tp2", "sp2", "ep2"):
     m = json.load(open(name + ".metrics.json"))["peak_allocated_bytes"]
     p = json.load(open(name + ".plan.json"))["estimates"][0]["memory"]["total"]
     print("%-7s peak allocated %.2f MB, predicted %.2f MB (%.3fx)" % (name, m / 1e6, p / 1e6, p / m))

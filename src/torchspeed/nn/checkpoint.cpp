@@ -11,7 +11,6 @@
 #include <mutex>
 
 namespace torchspeed::nn {
-namespace {
 
 at::Tensor rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
@@ -24,6 +23,8 @@ void set_rng_state(const at::Tensor& s) {
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(s);
 }
+
+namespace {
 
 // Note [Owned state in autograd nodes]
 // State an autograd function needs in backward (the segment to replay here, the communicator

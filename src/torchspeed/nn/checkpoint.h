@@ -14,6 +14,10 @@ namespace torchspeed::nn {
 
 using Segment = std::function<at::Tensor(const at::Tensor&)>;
 
+// The default CPU generator's state, and restoring it: what a replay draws its dropout from.
+at::Tensor rng_state();
+void set_rng_state(const at::Tensor& state);
+
 // The result's autograd node keeps a copy of `segment` (whatever it captures by reference must
 // outlive the backward of the result). Without grad mode, this is segment(x).
 at::Tensor checkpoint(const Segment& segment, const at::Tensor& x);

@@ -3,28 +3,15 @@
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <mutex>
 
+#include "torchspeed/nn/checkpoint.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::nn {
 namespace {
-
-at::Tensor rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_rng_state(const at::Tensor& s) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(s);
-}
 
 // What backward replays, owned by the node (Note [Owned state in autograd nodes]).
 struct TileHolder : torch::CustomClassHolder {
