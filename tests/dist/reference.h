@@ -103,8 +103,10 @@ class ReferenceTrainer {
       : model_(std::move(model)),
         clip_(cfg.gradient_clipping),
         schedule_(cfg.scheduler, cfg.optimizer.lr, cfg.optimizer.betas.at(0)) {
-    TS_CHECK(cfg.optimizer.type == "AdamW" || cfg.optimizer.type == "SGD" || cfg.optimizer.type == "Lamb",
-             "the reference trains with AdamW, SGD or Lamb, not '", cfg.optimizer.type, "'");
+    using torchspeed::optim::OptimizerType;
+    TS_CHECK(cfg.optimizer.type == OptimizerType::kAdamW || cfg.optimizer.type == OptimizerType::kSGD ||
+                 cfg.optimizer.type == OptimizerType::kLamb,
+             "the reference trains with AdamW, SGD or Lamb, not '", cfg.optimizer.name(), "'");
     std::unordered_set<const void*> seen;
     std::vector<at::Tensor> decay, plain;
     for (const auto& item : model_->named_parameters()) {
@@ -114,7 +116,7 @@ class ReferenceTrainer {
       (no_decay && no_decay(item.key(), item.value()) ? plain : decay).push_back(item.value());
     }
     const auto& o = cfg.optimizer;
-    if (o.type == "Lamb") {
+    if (o.type == OptimizerType::kLamb) {
       std::vector<std::pair<at::Tensor, double>> with_wd;
       for (auto& p : decay) with_wd.emplace_back(p, o.weight_decay);
       for (auto& p : plain) with_wd.emplace_back(p, 0.0);
@@ -124,7 +126,7 @@ class ReferenceTrainer {
     std::vector<torch::optim::OptimizerParamGroup> groups;
     auto add_group = [&](std::vector<at::Tensor> ps, double weight_decay) {
       if (ps.empty()) return;
-      if (o.type == "SGD") {
+      if (o.type == OptimizerType::kSGD) {
         groups.emplace_back(std::move(ps), std::make_unique<torch::optim::SGDOptions>(
                                                torch::optim::SGDOptions(o.lr)
                                                    .momentum(o.momentum)
@@ -141,7 +143,7 @@ class ReferenceTrainer {
     };
     add_group(decay, o.weight_decay);
     add_group(plain, 0.0);
-    if (o.type == "SGD") {
+    if (o.type == OptimizerType::kSGD) {
       opt_ = std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(o.lr));
     } else {
       opt_ = std::make_unique<torch::optim::AdamW>(std::move(groups),

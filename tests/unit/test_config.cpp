@@ -81,7 +81,7 @@ TEST(Config, RealConfigDetailsAreRead) {
   Config a = Config::load(dir + "model_Megatron_GPT2_ds_config_func_bs4_zero2_offload.json", world(2));
   EXPECT_EQ(a.zero.stage, 2);
   EXPECT_EQ(a.zero.reduce_bucket_size, 7000000);
-  EXPECT_EQ(a.zero.offload_optimizer.device, "cpu");  // deprecated cpu_offload: true
+  EXPECT_EQ(a.zero.offload_optimizer.device, torchspeed::config::OffloadDevice::kCpu);  // deprecated cpu_offload: true
   EXPECT_TRUE(a.fp16.enabled);
   EXPECT_TRUE(a.fp16.dynamic());
   EXPECT_EQ(a.fp16.initial_scale_power, 16);  // DeepSpeed default when not written
@@ -98,7 +98,8 @@ TEST(Config, RealConfigDetailsAreRead) {
   EXPECT_THROW(z3.check_batch_sizes(), torchspeed::Error);
 
   Config b = Config::load(dir + "model_BingBertSquad_deepspeed_bsz24_fp32_config.json", world(1));
-  EXPECT_EQ(b.optimizer.type, "Adam");
+  EXPECT_EQ(b.optimizer.type, torchspeed::optim::OptimizerType::kAdam);
+  EXPECT_STREQ(b.optimizer.name(), "Adam");
   EXPECT_FALSE(b.optimizer.bias_correction);
   EXPECT_DOUBLE_EQ(b.optimizer.lr, 3e-5);
   EXPECT_DOUBLE_EQ(b.gradient_clipping, 1.0);

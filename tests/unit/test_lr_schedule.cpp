@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "torchspeed/config/config.h"
 #include "torchspeed/optim/lr_schedule.h"
 
 using torchspeed::config::Config;

@@ -17,6 +17,8 @@
 #include <random>
 
 #include "test_util.h"
+#include "torchspeed/config/config.h"
+#include "torchspeed/engine/wiring.h"
 #include "torchspeed/offload/aio.h"
 #include "torchspeed/offload/optimizer_swapper.h"
 #include "torchspeed/offload/param_swapper.h"
@@ -223,7 +225,7 @@ TEST(Offload, IntraOpParallelismMultipliesTheRequestsInFlight) {
   torchspeed::config::WorldShape w;
   auto cfg = torchspeed::config::Config::parse(
       {{"train_batch_size", 8}, {"aio", {{"queue_depth", 8}, {"intra_op_parallelism", 4}}}}, w);
-  EXPECT_EQ(torchspeed::offload::aio_options_of(cfg).queue_depth(), 32);
+  EXPECT_EQ(torchspeed::wiring::aio_options_of(cfg).queue_depth(), 32);
   auto old_name = torchspeed::config::Config::parse({{"train_batch_size", 8}, {"aio", {{"thread_count", 2}}}}, w);
-  EXPECT_EQ(torchspeed::offload::aio_options_of(old_name).queue_depth(), 16);
+  EXPECT_EQ(torchspeed::wiring::aio_options_of(old_name).queue_depth(), 16);
 }

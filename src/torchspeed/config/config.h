@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "torchspeed/optim/lr_schedule.h"
+#include "torchspeed/optim/optimizer_type.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::config {
@@ -41,7 +43,7 @@ struct BF16Config {
 };
 
 struct OptimizerConfig {
-  std::string type;  // "" (none), "Adam", "AdamW", "SGD", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"
+  optim::OptimizerType type = optim::OptimizerType::kNone;  // DeepSpeed's "type", read once
   double lr = 1e-3;
   std::vector<double> betas{0.9, 0.999};
   double eps = 1e-8;
@@ -61,18 +63,19 @@ struct OptimizerConfig {
   int64_t var_freeze_step = 100000, var_update_scaler = 16, local_step_scaler = 32678, local_step_clipper = 16;
   // OneBitLamb: the EMA of warm-up trust ratios, and the bounds of the frozen-variance factor.
   double coeff_beta = 0.9, factor_max = 4.0, factor_min = 0.5, factor_threshold = 0.1;
-  bool one_bit() const { return type == "OneBitAdam" || type == "ZeroOneAdam" || type == "OneBitLamb"; }
+  bool one_bit() const { return optim::is_one_bit(type); }
+  const char* name() const { return optim::optimizer_name(type); }
 };
 
-struct SchedulerConfig {
-  std::string type;  // "" (constant LR), WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest
-  std::map<std::string, double> params;  // every parameter of `type`, defaults filled in
-  std::string warmup_type = "log";       // "log" or "linear" (Warmup* schedules)
-  double param(const std::string& name) const;
-};
+// The scheduler section is the schedule's own options (optim/lr_schedule.h).
+using SchedulerConfig = optim::ScheduleOptions;
+
+// offload_optimizer.device / offload_param.device, read once.
+enum class OffloadDevice { kNone, kCpu, kNvme };
+const char* offload_device_name(OffloadDevice d);  // "none", "cpu", "nvme"
 
 struct OffloadConfig {
-  std::string device = "none";  // none, cpu, nvme
+  OffloadDevice device = OffloadDevice::kNone;
   std::string nvme_path;
   bool pin_memory = false;
   int64_t buffer_count = 5;
@@ -81,7 +84,7 @@ struct OffloadConfig {
   double ratio = 1.0;
   bool pipeline_read = false, pipeline_write = false;  // offload_optimizer: overlap swap I/O with the step
   bool fast_init = false;
-  bool enabled() const { return device != "none"; }
+  bool enabled() const { return device != OffloadDevice::kNone; }
 };
 
 // DeepSpeed's "aio" section: the asynchronous I/O of NVMe offload.

@@ -21,7 +21,7 @@
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 #include "torchspeed/tensor_parallel/layers.h"
-#include "torchspeed/zero/from_config.h"
+#include "torchspeed/engine/wiring.h"
 
 namespace torchspeed {
 namespace {
@@ -52,8 +52,8 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
       stack_(std::move(stack)),
       any_(std::move(any)),
       config_(std::move(config)),
-      precision_(zero::precision_of(config_)),
-      scaler_(zero::loss_scaler_of(config_)),
+      precision_(wiring::precision_of(config_)),
+      scaler_(wiring::loss_scaler_of(config_)),
       schedule_(config_.scheduler, config_.optimizer.lr,
                 config_.optimizer.betas.empty() ? 0.9 : config_.optimizer.betas[0]) {
   check_supported(config_, groups_);
@@ -66,16 +66,17 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
   if (groups_.tp && groups_.tp->size() > 1) tensor_parallel::share_rng_state(*groups_.tp);
   // Tied weights start from their first stage's value (before the optimizer copies them).
   if (stack_) tied_ = pipeline::TiedWeights(plan_, stack_);
-  zero::ZeroOptions zo = zero::zero_options_of(config_);
+  zero::ZeroOptions zo = wiring::zero_options_of(config_);
   zo.norm_group(plan_.stages > 1 || config_.tp > 1 ? groups_.mp : nullptr);  // the norm spans the model's ranks
   // Pipeline stages reduce after the tied weights' gradients are summed (ReduceTiedGrads), so
   // buckets cannot start during the boundary backward.
   if (plan_.stages > 1) zo.reduce_in_backward(false);
-  if (config_.zero.offload_optimizer.device == "nvme" || config_.zero.offload_param.device == "nvme") {
+  if (config_.zero.offload_optimizer.device == config::OffloadDevice::kNvme ||
+      config_.zero.offload_param.device == config::OffloadDevice::kNvme) {
     offload::return_freed_memory_promptly();
   }
-  zo.state_store(offload::make_optimizer_store(config_, groups_.world->rank()));
-  zo.param_store(offload::make_param_store(config_, groups_.world->rank(), precision_ == precision::Precision::kBF16 ? 2 : 4));
+  zo.state_store(wiring::make_optimizer_store(config_, groups_.world->rank()));
+  zo.param_store(wiring::make_param_store(config_, groups_.world->rank(), precision_ == precision::Precision::kBF16 ? 2 : 4));
   const int layers = stack_ ? static_cast<int>(stack_->size()) : 0;
   // A tied weight's later copy, and a parameter every tensor-parallel rank holds whole, count
   // once in the global norm.
@@ -102,7 +103,7 @@ Engine::Engine(parallel::ParallelGroups groups, std::shared_ptr<torch::nn::Modul
              "expert-parallel groups have ", groups_.ep_size(), " ranks (make them with parallel::add_expert_groups)");
   }
   zo.expert_parallel(groups_.ep).expert_data_parallel(groups_.edp);
-  zero_ = zero::make_zero_optimizer(std::move(params), layers, groups_.dp, zo, zero::optimizer_spec_of(config_, param_groups_));
+  zero_ = zero::make_zero_optimizer(std::move(params), layers, groups_.dp, zo, wiring::optimizer_spec_of(config_, param_groups_));
   layer_hooks_ = zero_->layer_hooks();
   if (config_.compression.enabled()) {
     TS_CHECK(stack_, "compression_training and quantize_training need a LayerStack model (GPT)");
@@ -263,7 +264,7 @@ void Engine::report_progress() {
   if (progress_report_) {
     const auto& o = config_.optimizer;
     std::string mom;
-    if (o.type == "SGD") {
+    if (o.type == optim::OptimizerType::kSGD) {
       mom = concat(o.momentum);
     } else {
       mom = concat("(", schedule_.beta1().value_or(o.betas.at(0)), ", ", o.betas.at(1), ")");

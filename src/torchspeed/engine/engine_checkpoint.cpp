@@ -83,7 +83,7 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
                      {"sections", config_.sections},
                      {"grid", {{"world", groups_.world->size()}, {"dp", groups_.dp->size()}, {"tp", config_.tp}, {"pp", config_.pp}}},
                      {"precision", precision::precision_name(precision_)},
-                     {"optimizer", config_.optimizer.type},
+                     {"optimizer", config_.optimizer.name()},
                      {"global_step", global_steps_},
                      {"engine", export_counters()}};
     checkpoint::add_slices(spec.manifest, slices);
@@ -104,7 +104,7 @@ std::optional<Engine::LoadedCheckpoint> Engine::load_checkpoint(const std::strin
   // partitions]).
   std::string err = checkpoint::error_of([&] {
     const int pp = groups_.coord.pp, tp = groups_.coord.tp;
-    checkpoint::check_compatible(*opened, {config_.tp, config_.pp, pp, tp, config_.optimizer.type, zero_->param_shapes()});
+    checkpoint::check_compatible(*opened, {config_.tp, config_.pp, pp, tp, config_.optimizer.name(), zero_->param_shapes()});
     check_state(m.at("engine"));
     source.emplace(checkpoint::shard_source(*opened, pp, tp));
     read = source->reader(zero_->layout(), groups_.dp->rank());

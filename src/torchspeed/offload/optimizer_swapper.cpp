@@ -196,26 +196,4 @@ SwapStats OptimizerSwapper::stats() const {
   return s;
 }
 
-AioOptions aio_options_of(const config::Config& c) {
-  AioOptions o;
-  o.block_size(c.aio.block_size)
-      .queue_depth(static_cast<int>(c.aio.queue_depth * c.aio.intra_op_parallelism))  // every thread's requests
-      .single_submit(c.aio.single_submit)
-      .overlap_events(c.aio.overlap_events);
-  return o;
-}
-
-zero::PartitionStorePtr make_optimizer_store(const config::Config& c, int global_rank) {
-  const auto& o = c.zero.offload_optimizer;
-  if (o.device != "nvme") return nullptr;
-  SwapperOptions so;
-  so.path(concat(o.nvme_path, "/torchspeed-optimizer-rank", global_rank, ".swap"))
-      .buffer_count(o.buffer_count)
-      .group_numel(c.zero.sub_group_size)
-      .pipeline_read(o.pipeline_read)
-      .pipeline_write(o.pipeline_write)
-      .aio(aio_options_of(c));
-  return std::make_shared<OptimizerSwapper>(so);
-}
-
 }  // namespace torchspeed::offload

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "torchspeed/config/config.h"
 #include "torchspeed/offload/aio.h"
 #include "torchspeed/zero/partition_store.h"
 
@@ -73,13 +72,5 @@ class OptimizerSwapper final : public zero::PartitionStore {
   std::vector<SwapFile::Ticket> read_ticket_, write_ticket_;
   int64_t visits_ = 0;
 };
-
-// The optimizer state store a config asks for: an OptimizerSwapper for offload_optimizer.device
-// "nvme" (file <nvme_path>/torchspeed-optimizer-rank<R>.swap), null otherwise (RAM; "cpu" is the
-// in-memory path on a machine without a device).
-zero::PartitionStorePtr make_optimizer_store(const config::Config& c, int global_rank);
-
-// AioOptions from the config's "aio" section.
-AioOptions aio_options_of(const config::Config& c);
 
 }  // namespace torchspeed::offload

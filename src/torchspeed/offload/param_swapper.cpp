@@ -177,16 +177,4 @@ std::string ParamSwapper::describe() const {
                 " B)");
 }
 
-zero::ShardStorePtr make_param_store(const config::Config& c, int global_rank, int64_t element_size) {
-  const auto& o = c.zero.offload_param;
-  if (o.device != "nvme") return nullptr;
-  ParamSwapperOptions po;
-  po.path(concat(o.nvme_path, "/torchspeed-params-rank", global_rank, ".swap"))
-      .buffer_count(o.buffer_count)
-      .buffer_bytes(o.buffer_size * element_size)
-      .max_in_cpu_bytes(o.max_in_cpu * element_size)
-      .aio(aio_options_of(c));
-  return std::make_shared<ParamSwapper>(po);
-}
-
 }  // namespace torchspeed::offload

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "torchspeed/config/config.h"
 #include "torchspeed/offload/aio.h"
 #include "torchspeed/zero/partition_store.h"
 
@@ -68,10 +67,5 @@ class ParamSwapper final : public zero::ShardStore {
   int64_t buffer_bytes_ = 0;
   int64_t hits_ = 0, misses_ = 0;
 };
-
-// The parameter store a config asks for: a ParamSwapper for offload_param.device "nvme" (file
-// <nvme_path>/torchspeed-params-rank<R>.swap), null otherwise. `element_size`: bytes per
-// parameter element as stored (bf16 2, fp32 4).
-zero::ShardStorePtr make_param_store(const config::Config& c, int global_rank, int64_t element_size);
 
 }  // namespace torchspeed::offload

@@ -8,7 +8,13 @@
 
 namespace torchspeed::optim {
 
-LRSchedule::LRSchedule(const config::SchedulerConfig& config, double base_lr, double base_beta1)
+double ScheduleOptions::param(const std::string& name) const {
+  auto it = params.find(name);
+  TS_CHECK(it != params.end(), "scheduler ", type, " has no parameter '", name, "'");
+  return it->second;
+}
+
+LRSchedule::LRSchedule(const ScheduleOptions& config, double base_lr, double base_beta1)
     : config_(config), base_lr_(base_lr), base_beta1_(base_beta1) {}
 
 double LRSchedule::warmup_gamma(int64_t it) const {

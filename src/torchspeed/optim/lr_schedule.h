@@ -8,16 +8,24 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <map>
 #include <optional>
-
-#include "torchspeed/config/config.h"
+#include <string>
 
 namespace torchspeed::optim {
+
+// DeepSpeed's scheduler section, as the config reader fills it (config::SchedulerConfig).
+struct ScheduleOptions {
+  std::string type;  // "" (constant LR), WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest
+  std::map<std::string, double> params;  // every parameter of `type`, defaults filled in
+  std::string warmup_type = "log";       // "log" or "linear" (Warmup* schedules)
+  double param(const std::string& name) const;
+};
 
 class LRSchedule {
  public:
   // `base_lr` is the optimizer's lr; `base_beta1` its first beta (OneCycle cycles it).
-  LRSchedule(const config::SchedulerConfig& config, double base_lr, double base_beta1 = 0.9);
+  LRSchedule(const ScheduleOptions& config, double base_lr, double base_beta1 = 0.9);
 
   // LR for the next optimizer step.
   double lr() const;
@@ -36,7 +44,7 @@ class LRSchedule {
  private:
   double warmup_gamma(int64_t it) const;
   double one_cycle_scale(int64_t it) const;
-  config::SchedulerConfig config_;
+  ScheduleOptions config_;
   double base_lr_, base_beta1_;
   int64_t last_batch_iteration_ = -1;
 };

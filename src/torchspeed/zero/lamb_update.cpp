@@ -273,7 +273,7 @@ void ZeroOptimizer::onebit_lamb_update(float grad_scale, double lr) {
 }
 
 nlohmann::json ZeroOptimizer::export_scalars() const {
-  if (opt_.type != "OneBitLamb" || ob_.coeff_freeze.empty()) return nullptr;
+  if (opt_.type != optim::OptimizerType::kOneBitLamb || ob_.coeff_freeze.empty()) return nullptr;
   nlohmann::json out = nlohmann::json::object();
   size_t slot = 0;
   for (const auto& u : units_) {
@@ -288,7 +288,7 @@ nlohmann::json ZeroOptimizer::export_scalars() const {
 
 void ZeroOptimizer::import_scalars(const nlohmann::json& j) {
   ob_ = OneBitLambState();
-  if (opt_.type != "OneBitLamb" || step_count_ < opt_.freeze_step) return;  // a warm-up checkpoint: they restart
+  if (opt_.type != optim::OptimizerType::kOneBitLamb || step_count_ < opt_.freeze_step) return;  // a warm-up checkpoint: they restart
   TS_CHECK(j.is_object() && j.contains("onebit_lamb"), "the checkpoint of a OneBitLamb run past its freeze_step (step ",
            step_count_, ") has no per-tensor 1-bit Lamb state (engine.optimizer_scalars.onebit_lamb)");
   const auto& by_name = j.at("onebit_lamb");

@@ -192,8 +192,8 @@ PartitionLayout ZeroOptimizer::layout() const {
 }
 
 std::vector<std::string> ZeroOptimizer::state_kinds() const {
-  if (opt_.type == "SGD") return {"momentum"};
-  if (opt_.type == "OneBitLamb") return {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"};
+  if (opt_.type == optim::OptimizerType::kSGD) return {"momentum"};
+  if (opt_.type == optim::OptimizerType::kOneBitLamb) return {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"};
   return {"exp_avg", "exp_avg_sq"};
 }
 

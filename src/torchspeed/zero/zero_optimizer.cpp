@@ -148,11 +148,11 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
                              bool sharded)
     : dp_(std::move(dp)), options_(std::move(options)), opt_(std::move(opt)), strategy_(strategy), sharded_(sharded) {
   TS_CHECK(dp_, "ZeroOptimizer needs a data-parallel communicator");
-  const bool one_bit = opt_.type == "OneBitAdam" || opt_.type == "ZeroOneAdam" || opt_.type == "OneBitLamb";
-  TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD" || opt_.type == "Lamb" || one_bit,
-           "optimizer.type: torchspeed has Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam and OneBitLamb, got '", opt_.type, "'");
+  const bool one_bit = optim::is_one_bit(opt_.type);
+  TS_CHECK(opt_.type != optim::OptimizerType::kNone,
+           "ZeroOptimizer needs an optimizer: Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb");
   TS_CHECK(!one_bit || (strategy == Stage::k0 && !options_.state_store()),
-           "optimizer ", opt_.type, " needs ZeRO stage 0 without offload (as in DeepSpeed: it compresses the whole "
+           "optimizer ", optim::optimizer_name(opt_.type), " needs ZeRO stage 0 without offload (as in DeepSpeed: it compresses the whole "
            "momentum, which every rank holds)");
   dp_size_ = dp_->size();
   dp_rank_ = dp_->rank();
@@ -162,7 +162,9 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
     TS_CHECK(edp && edp->size() * ep_size_ == dp_size_, "expert parallelism needs the expert-data-parallel group (",
              edp ? edp->size() : 0, " ranks) times the expert-parallel group (", ep_size_, ") to make the data-parallel group (",
              dp_size_, ")");
-    TS_CHECK(opt_.type == "Adam" || opt_.type == "AdamW" || opt_.type == "SGD", "optimizer ", opt_.type,
+    TS_CHECK(opt_.type == optim::OptimizerType::kAdam || opt_.type == optim::OptimizerType::kAdamW ||
+                 opt_.type == optim::OptimizerType::kSGD,
+             "optimizer ", optim::optimizer_name(opt_.type),
              " with expert parallelism (model.moe.ep_size ", ep_size_, ") is not implemented: use Adam, AdamW or SGD");
     TS_CHECK(!options_.quantized_gradients() && !options_.quantized_weights() && options_.hpz_partition_size() == 1,
              "ZeRO++ (zero_quantized_gradients, zero_quantized_weights, zero_hpz_partition_size) with expert parallelism "
@@ -539,13 +541,13 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   }
   const float grad_scale = static_cast<float>(clip_coef / loss_scale);
   ++step_count_;
-  if (opt_.type == "Lamb") {
+  if (opt_.type == optim::OptimizerType::kLamb) {
     lamb_update(grad_scale, lr);
-  } else if (opt_.type == "OneBitAdam" && step_count_ > opt_.freeze_step) {
+  } else if (opt_.type == optim::OptimizerType::kOneBitAdam && step_count_ > opt_.freeze_step) {
     onebit_update(grad_scale, lr);
-  } else if (opt_.type == "ZeroOneAdam") {
+  } else if (opt_.type == optim::OptimizerType::kZeroOneAdam) {
     zero_one_update(grad_scale, lr, beta1);
-  } else if (opt_.type == "OneBitLamb") {
+  } else if (opt_.type == optim::OptimizerType::kOneBitLamb) {
     onebit_lamb_update(grad_scale, lr);
   } else {
     elementwise_update(grad_scale, lr, beta1);
@@ -560,8 +562,8 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
 }
 
 bool ZeroOptimizer::reduces_next_step() const {
-  if (opt_.type == "OneBitAdam" || opt_.type == "OneBitLamb") return step_count_ < opt_.freeze_step;
-  if (opt_.type == "ZeroOneAdam") return zero_one_reduces(step_count_ + 1);
+  if (opt_.type == optim::OptimizerType::kOneBitAdam || opt_.type == optim::OptimizerType::kOneBitLamb) return step_count_ < opt_.freeze_step;
+  if (opt_.type == optim::OptimizerType::kZeroOneAdam) return zero_one_reduces(step_count_ + 1);
   return true;
 }
 
@@ -573,7 +575,7 @@ ZeroOptimizer::GroupHyper ZeroOptimizer::group_hyper(int group, double lr, doubl
 
 void ZeroOptimizer::elementwise_update(float grad_scale, double lr, std::optional<double> beta1) {
   const optim::ParamOut out_kind = param_out(/*master_is_param=*/!has_master_);
-  const double base_lr = opt_.type == "SGD" ? opt_.sgd.lr : opt_.adam.lr;
+  const double base_lr = opt_.type == optim::OptimizerType::kSGD ? opt_.sgd.lr : opt_.adam.lr;
   const size_t km = has_master_ ? 1 : 0;  // index of the first moment in kinds_
   size_t cached = SIZE_MAX;
   at::Tensor grad, dest;
@@ -593,7 +595,7 @@ void ZeroOptimizer::elementwise_update(float grad_scale, double lr, std::optiona
         float* m = state[km];
         void* out = has_master_ ? static_cast<char*>(dest.data_ptr()) + s.begin * static_cast<int64_t>(dest.element_size())
                                 : nullptr;
-        if (opt_.type == "SGD") {
+        if (opt_.type == optim::OptimizerType::kSGD) {
           optim::SgdHyper h = opt_.sgd;
           const GroupHyper g = group_hyper(s.group, lr, base_lr, h.weight_decay);
           h.lr = g.lr;

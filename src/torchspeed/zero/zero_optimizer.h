@@ -22,6 +22,7 @@
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/comm/compressed.h"
 #include "torchspeed/optim/fused_optimizers.h"
+#include "torchspeed/optim/optimizer_type.h"
 #include "torchspeed/precision/loss_scaler.h"
 #include "torchspeed/zero/partition_layout.h"
 #include "torchspeed/zero/partition_store.h"
@@ -107,7 +108,7 @@ struct ParamGroupOptions {
 };
 
 struct OptimizerSpec {
-  std::string type = "AdamW";  // Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam, OneBitLamb
+  optim::OptimizerType type = optim::OptimizerType::kAdamW;
   optim::AdamHyper adam;
   optim::SgdHyper sgd;
   optim::LambHyper lamb;

@@ -1,4 +1,5 @@
-// Section readers that live in their own files, called by Config::parse (config.cpp).
+// Section readers that live in their own files, called by Config::parse (config.cpp), and the
+// helpers they share.
 #pragma once
 
 #include "torchspeed/config/config.h"
@@ -11,6 +12,28 @@ inline void accept_all(JsonReader& r, const nlohmann::json& j) {
   if (!j.is_object()) return;
   for (const auto& item : j.items()) r.accept(item.key());
 }
+
+// A DeepSpeed option whose other value torchspeed does not implement: the value it always has
+// is accepted; the other is refused with the key's path and why.
+inline void only(JsonReader& r, const std::string& key, bool supported, bool fallback, const std::string& why) {
+  if (r.has(key) && r.get_bool(key, fallback) != supported) r.error(key, why);
+}
+// A DeepSpeed tuning knob with no counterpart here: accepted with a warning saying so when set.
+inline void no_effect(JsonReader& r, const std::string& key, const std::string& why) {
+  r.accept(key);  // known: warned here, never reported as unknown
+  if (r.has(key)) r.warn(key, concat("has no effect in torchspeed: ", why));
+}
+
+// Hugging Face's "auto" values in the raw JSON, replaced before any section is read (Note ["auto"
+// values] in auto_values.cpp); each replacement is a warning in `diag`.
+void resolve_auto(nlohmann::json& j, const AutoValues& a, Diagnostics& diag);
+
+// optimizer and scheduler (optimizer_sections.cpp).
+void read_optimizer(JsonReader& r, OptimizerConfig& c);
+void read_scheduler(JsonReader& r, SchedulerConfig& c);
+// zero_optimization with offload_optimizer / offload_param, and aio (zero_section.cpp).
+void read_zero(JsonReader& r, ZeroConfig& c);
+void read_aio(JsonReader& r, AioConfig& c);
 
 // compression_training: weight and activation quantization; the pruning methods and
 // layer_reduction are accepted when disabled and refused by name when enabled.

@@ -1,9 +1,11 @@
-// Config -> component options: see from_config.h.
-#include "torchspeed/zero/from_config.h"
+// Config -> component options: see wiring.h.
+#include "torchspeed/engine/wiring.h"
 
+#include "torchspeed/offload/optimizer_swapper.h"
+#include "torchspeed/offload/param_swapper.h"
 #include "torchspeed/runtime/error.h"
 
-namespace torchspeed::zero {
+namespace torchspeed::wiring {
 
 precision::Precision precision_of(const config::Config& c) {
   if (c.bf16.enabled) return precision::Precision::kBF16;
@@ -24,10 +26,10 @@ precision::LossScaler loss_scaler_of(const config::Config& c) {
   return precision::LossScaler(o);
 }
 
-OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<ParamGroup>& groups) {
-  TS_CHECK(!c.optimizer.type.empty(),
+zero::OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<zero::ParamGroup>& groups) {
+  TS_CHECK(c.optimizer.type != optim::OptimizerType::kNone,
            "the config has no \"optimizer\" section; torchspeed needs one (type Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb)");
-  OptimizerSpec s;
+  zero::OptimizerSpec s;
   s.type = c.optimizer.type;
   s.adam.lr = c.optimizer.lr;
   s.adam.beta1 = c.optimizer.betas.at(0);
@@ -35,7 +37,7 @@ OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<Param
   s.adam.eps = c.optimizer.eps;
   s.adam.weight_decay = c.optimizer.weight_decay;
   s.adam.bias_correction = c.optimizer.bias_correction;
-  s.adam.adam_w_mode = c.optimizer.type == "AdamW" || c.optimizer.adam_w_mode;
+  s.adam.adam_w_mode = c.optimizer.type == optim::OptimizerType::kAdamW || c.optimizer.adam_w_mode;
   s.sgd.lr = c.optimizer.lr;
   s.sgd.momentum = c.optimizer.momentum;
   s.sgd.dampening = c.optimizer.dampening;
@@ -51,12 +53,12 @@ OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<Param
   s.lamb.min_coeff = c.optimizer.min_coeff;
   s.lamb.eps_inside_sqrt = c.optimizer.eps_inside_sqrt;
   s.freeze_step = c.optimizer.freeze_step;
-  if (c.optimizer.type == "OneBitAdam" || c.optimizer.type == "ZeroOneAdam") {
+  if (c.optimizer.type == optim::OptimizerType::kOneBitAdam || c.optimizer.type == optim::OptimizerType::kZeroOneAdam) {
     // DeepSpeed's OnebitAdam and ZeroOneAdam: no bias correction, decay in the update.
     s.adam.bias_correction = false;
     s.adam.adam_w_mode = true;
   }
-  if (c.optimizer.type == "OneBitLamb") {  // its warm-up is Lamb without bias correction, eps outside
+  if (c.optimizer.type == optim::OptimizerType::kOneBitLamb) {  // its warm-up is Lamb without bias correction, eps outside
     s.lamb.bias_correction = false;
     s.lamb.eps_inside_sqrt = false;
   }
@@ -67,13 +69,13 @@ OptimizerSpec optimizer_spec_of(const config::Config& c, const std::vector<Param
   return s;
 }
 
-ZeroOptions zero_options_of(const config::Config& c) {
+zero::ZeroOptions zero_options_of(const config::Config& c) {
   at::ScalarType comm_dtype = at::ScalarType::Undefined;  // "": the compute dtype
   if (c.communication_data_type == "fp32") comm_dtype = at::kFloat;
   if (c.communication_data_type == "bf16") comm_dtype = at::kBFloat16;
   if (c.communication_data_type == "fp16") comm_dtype = at::kHalf;
-  ZeroOptions zo;
-  zo.stage(stage_of(c.zero.stage))
+  zero::ZeroOptions zo;
+  zo.stage(zero::stage_of(c.zero.stage))
       .grad_accum_dtype(c.grad_accum_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
       .reduce_bucket_numel(c.zero.reduce_bucket_size)
       .overlap_comm(c.zero.overlap_comm)
@@ -92,4 +94,38 @@ ZeroOptions zero_options_of(const config::Config& c) {
   return zo;
 }
 
-}  // namespace torchspeed::zero
+offload::AioOptions aio_options_of(const config::Config& c) {
+  offload::AioOptions o;
+  o.block_size(c.aio.block_size)
+      .queue_depth(static_cast<int>(c.aio.queue_depth * c.aio.intra_op_parallelism))  // every thread's requests
+      .single_submit(c.aio.single_submit)
+      .overlap_events(c.aio.overlap_events);
+  return o;
+}
+
+zero::PartitionStorePtr make_optimizer_store(const config::Config& c, int global_rank) {
+  const auto& o = c.zero.offload_optimizer;
+  if (o.device != config::OffloadDevice::kNvme) return nullptr;
+  offload::SwapperOptions so;
+  so.path(concat(o.nvme_path, "/torchspeed-optimizer-rank", global_rank, ".swap"))
+      .buffer_count(o.buffer_count)
+      .group_numel(c.zero.sub_group_size)
+      .pipeline_read(o.pipeline_read)
+      .pipeline_write(o.pipeline_write)
+      .aio(aio_options_of(c));
+  return std::make_shared<offload::OptimizerSwapper>(so);
+}
+
+zero::ShardStorePtr make_param_store(const config::Config& c, int global_rank, int64_t element_size) {
+  const auto& o = c.zero.offload_param;
+  if (o.device != config::OffloadDevice::kNvme) return nullptr;
+  offload::ParamSwapperOptions po;
+  po.path(concat(o.nvme_path, "/torchspeed-params-rank", global_rank, ".swap"))
+      .buffer_count(o.buffer_count)
+      .buffer_bytes(o.buffer_size * element_size)
+      .max_in_cpu_bytes(o.max_in_cpu * element_size)
+      .aio(aio_options_of(c));
+  return std::make_shared<offload::ParamSwapper>(po);
+}
+
+}  // namespace torchspeed::wiring
