@@ -15,7 +15,7 @@
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/comm/compressed.h"
 #include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::bench {
 namespace {

@@ -25,7 +25,7 @@
 #include "torchspeed/offload/aio.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/memory_cgroup.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::bench {
 namespace {

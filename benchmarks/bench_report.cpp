@@ -11,7 +11,7 @@
 
 #include "torchspeed/runtime/cpu.h"
 #include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::bench {
 

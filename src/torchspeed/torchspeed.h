@@ -12,4 +12,4 @@
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
 #include "torchspeed/runtime/logging.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"

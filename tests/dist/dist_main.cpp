@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "torchspeed/comm/communicator.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 #include "dist_util.h"
 
 namespace ts_test {

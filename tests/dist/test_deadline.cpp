@@ -20,7 +20,7 @@
 
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace {
 

@@ -269,3 +269,24 @@ TEST(ElasticLaunch, CtrlCIsPassedOnToMpirun) {
   EXPECT_TRUE(interrupted);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
 }
+
+// Note [Relaunching a command]: the ranks get the user's arguments as given, less the dropped
+// options (with their values, in both spellings), plus what the relaunch appends; what follows
+// "--" belongs to the program: never dropped, and it stays last.
+TEST(Relaunch, ForwardsTheUsersArgumentsLessDroppedOptions) {
+  torchspeed::launcher::Relaunch r;
+  r.self_path = "/bin/torchspeed";
+  r.args = {"serve", "--checkpoint", "m", "--api-key", "secret", "--tp", "2", "--stop-file=/x", "--weights", "bf16",
+            "--", "--api-key", "kept"};
+  r.drop = {"--api-key", "--stop-file"};
+  r.append = {"--stop-file", "/tmp/s"};
+  const std::vector<std::string> want{"/bin/torchspeed", "serve", "--checkpoint", "m", "--tp", "2", "--weights", "bf16",
+                                      "--stop-file", "/tmp/s", "--", "--api-key", "kept"};
+  EXPECT_EQ(torchspeed::launcher::relaunch_program(r), want);
+  r.args = {"train", "-c", "cfg.json", "-n", "2", "--out", "runs/a", "--set", "train.steps=3"};
+  r.drop = {"--out"};
+  r.append = {"--out", "runs/a"};
+  EXPECT_EQ(torchspeed::launcher::relaunch_program(r),
+            (std::vector<std::string>{"/bin/torchspeed", "train", "-c", "cfg.json", "-n", "2", "--set", "train.steps=3",
+                                      "--out", "runs/a"}));
+}

@@ -7,7 +7,7 @@
 #include "commands.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::cli {
 
@@ -36,13 +36,11 @@ Runner add_bench(CLI::App& app, const Invocation& inv) {
     if (o->name == "train" && !o->engine_part) return bench::run_train(o->args, inv.self_path);  // launches its ranks
     if (o->name == "serve") return bench::run_serve(o->args, inv.self_path);  // starts its servers
     if (o->ranks == 0) o->ranks = o->name == "memory" || o->name == "tp" ? 4 : o->name == "adam" || o->name == "offload" || o->name == "linear" ? 1 : 2;
-    if (!launcher::under_launcher() && o->ranks > 1) {
-      launcher::LaunchOptions lo;
-      lo.num_ranks = o->ranks;
-      lo.program = {inv.self_path, "bench", o->name};
-      if (!o->args.json_path.empty()) lo.program.insert(lo.program.end(), {"--json", o->args.json_path});
-      if (o->args.quick) lo.program.push_back("--quick");
-      launcher::exec_command(launcher::build_command(lo, launcher::LaunchContext::current()));
+    if (!launcher::under_launcher() && o->ranks > 1) {  // Note [Relaunching a command]
+      launcher::Relaunch r;
+      r.num_ranks = o->ranks, r.self_path = inv.self_path, r.args = inv.args;
+      r.how = launcher::Relaunch::How::kExec;
+      launcher::relaunch_under_mpirun(r);
     }
     init();
     int rc = 0;

@@ -10,7 +10,7 @@
 
 #include "commands.h"
 #include "torchspeed/runtime/cpu.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::cli {
 

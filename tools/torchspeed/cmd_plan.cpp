@@ -33,7 +33,7 @@
 #include "torchspeed/runtime/cpu.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 #include "torchspeed/tensor_parallel/layers.h"
 
 namespace torchspeed::cli {
@@ -335,14 +335,13 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
       if (o->worker || launcher::under_launcher()) return calibrate_worker(q, o->out);
       const int ranks = o->ranks > 0 ? o->ranks : 1;
       if (ranks == 1 && o->hostfile.empty()) return calibrate_worker(q, o->out);
-      launcher::LaunchOptions lo;
-      lo.num_ranks = ranks;
-      lo.hostfile = o->hostfile;
-      lo.program = {inv.self_path, "plan", "--calibrate-worker", "--out", std::filesystem::absolute(o->out).string(),
-                    "--layers", std::to_string(m.layers), "--hidden", std::to_string(m.hidden), "--heads", std::to_string(m.heads),
-                    "--seq", std::to_string(m.seq), "--vocab", std::to_string(m.vocab), "--max-micro", std::to_string(o->max_micro)};
-      if (o->training.bf16) lo.program.push_back("--bf16");
-      const int rc = launcher::run_command(launcher::build_command(lo, launcher::LaunchContext::current()));
+      // Note [Relaunching a command]: the ranks run this command again and, under the launcher,
+      // measure (calibrate_worker); --out is made absolute for ranks on other hosts.
+      launcher::Relaunch r;
+      r.num_ranks = ranks, r.hostfile = o->hostfile, r.self_path = inv.self_path, r.args = inv.args;
+      r.drop = {"--out"};
+      r.append = {"--out", std::filesystem::absolute(o->out).string()};
+      const int rc = launcher::relaunch_under_mpirun(r);
       TS_CHECK(rc == 0, "plan --calibrate: the measurement on ", ranks, " ranks failed (exit ", rc, ")");
       return 0;
     }

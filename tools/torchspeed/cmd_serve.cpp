@@ -22,7 +22,7 @@
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
 #include "torchspeed/runtime/logging.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 #include "torchspeed/serve/server.h"
 
 namespace torchspeed::cli {
@@ -203,29 +203,17 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     if (!launcher::under_launcher() && o->ranks > 1) {
       const std::string stop = (std::filesystem::temp_directory_path() / ("torchspeed-serve-" + std::to_string(::getpid()) + ".stop")).string();
       std::filesystem::remove(stop);
-      launcher::LaunchOptions lo;
-      lo.num_ranks = o->ranks;
-      lo.program = {inv.self_path, "serve", "--checkpoint", o->checkpoint, "--host", o->host, "--port", std::to_string(o->port),
-                    "--served-model-name", o->model_name, "--weights", o->weights, "--kv-cache-mb", std::to_string(o->kv_mb), "--kv-cache-dtype", o->kv_dtype,
-                    "--block-size", std::to_string(o->block_size), "--max-num-seqs", std::to_string(o->max_num_seqs),
-                    "--max-batched-tokens", std::to_string(o->max_batched_tokens), "--max-queue", std::to_string(o->max_queue),
-                    "--max-tokens", std::to_string(o->max_tokens), "--max-n", std::to_string(o->max_n),
-                    "--max-body-bytes", std::to_string(o->max_body), "--http-threads", std::to_string(o->http_threads),
-                    "--max-connections", std::to_string(o->max_connections), "--max-request-tokens", std::to_string(o->max_request_tokens),
-                    "--drain-timeout", std::to_string(o->drain_timeout),
-                    "--tp", std::to_string(o->tp), "--stop-file", stop};
-      if (!o->tokenizer.empty()) lo.program.insert(lo.program.end(), {"--tokenizer", o->tokenizer});
-      if (!o->tool_parser.empty()) lo.program.insert(lo.program.end(), {"--tool-call-parser", o->tool_parser});
-      lo.program.insert(lo.program.end(), {"--pooling", o->pooling});
-      for (const std::string& m : o->lora_modules) lo.program.insert(lo.program.end(), {"--lora-modules", m});
-      if (!o->bf16_dot) lo.program.push_back("--no-bf16-dot");
-      if (!o->prefix_caching) lo.program.push_back("--no-enable-prefix-caching");
-      if (!o->speculative_config.empty()) lo.program.insert(lo.program.end(), {"--speculative-config", o->speculative_config});
-      // The key travels in the environment, not on a command line others can read.
-      if (!o->api_key.empty()) lo.extra_env.push_back("TORCHSPEED_API_KEY=" + o->api_key);
-      std::fflush(stdout);
-      const int rc = launcher::run_command_shielded(launcher::build_command(lo, launcher::LaunchContext::current()),
-                                                    [stop] { std::ofstream(stop) << "stop\n"; });
+      // Note [Relaunching a command]: the user's arguments go to the ranks as given; the relaunch
+      // adds the stop file it drains them with, and the API key travels in the environment, not
+      // on a command line others can read.
+      launcher::Relaunch r;
+      r.num_ranks = o->ranks, r.self_path = inv.self_path, r.args = inv.args;
+      r.drop = {"--api-key", "--stop-file"};
+      r.append = {"--stop-file", stop};
+      if (!o->api_key.empty()) r.extra_env.push_back("TORCHSPEED_API_KEY=" + o->api_key);
+      r.how = launcher::Relaunch::How::kShielded;
+      r.on_interrupt = [stop] { std::ofstream(stop) << "stop\n"; };
+      const int rc = launcher::relaunch_under_mpirun(r);
       std::filesystem::remove(stop);
       return rc;
     }

@@ -160,25 +160,25 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
   return [o, &inv]() -> int {
     if (o->out.empty()) o->out = default_out_dir();
     if (!launcher::under_launcher() && o->ranks > 1) {
-      launcher::LaunchOptions lo;
-      lo.num_ranks = o->ranks;
-      lo.program = {inv.self_path, "train", "--config", o->config, "--out", o->out};
+      // Note [Relaunching a command]: the user's arguments go to the ranks as given, with the
+      // output folder this process chose (its default is a time stamp, which the ranks must share).
+      launcher::Relaunch r;
+      r.num_ranks = o->ranks, r.self_path = inv.self_path, r.args = inv.args;
+      r.drop = {"--out"};
+      r.append = {"--out", o->out};
       // Ranks get a pseudo-terminal from mpirun; the progress style follows the user's stdout.
-      lo.extra_env.push_back(concat("TORCHSPEED_STDOUT_TTY=", ::isatty(1) ? 1 : 0));
-      if (!o->data.empty()) lo.program.insert(lo.program.end(), {"--data", o->data});
-      for (const auto& s : o->sets) lo.program.insert(lo.program.end(), {"--set", s});
-      if (o->resume) lo.program.push_back("--resume");
-      if (!o->init_from.empty()) lo.program.insert(lo.program.end(), {"--init-from", o->init_from});
-      std::fflush(stdout);
+      r.extra_env.push_back(concat("TORCHSPEED_STDOUT_TTY=", ::isatty(1) ? 1 : 0));
       // Ctrl-C: ask the ranks to stop after their current step and save (see stop_file below).
       const std::string stop = o->out + "/STOP";
       std::filesystem::remove(stop);  // a stale request from an earlier run
-      return launcher::run_command_shielded(launcher::build_command(lo, launcher::LaunchContext::current()), [stop] {
+      r.how = launcher::Relaunch::How::kShielded;
+      r.on_interrupt = [stop] {
         std::filesystem::create_directories(std::filesystem::path(stop).parent_path());
         std::ofstream(stop) << "stop\n";
         std::printf("\nCtrl-C: stopping after the current step and saving a checkpoint (Ctrl-C again to abort)\n");
         std::fflush(stdout);
-      });
+      };
+      return launcher::relaunch_under_mpirun(r);
     }
     watch_stop_signals();  // before any thread exists
     const Runtime& rt = init();

@@ -13,6 +13,8 @@ namespace torchspeed::cli {
 struct Invocation {
   std::vector<std::string> program_args;  // after "--"
   std::string self_path;                  // absolute path of this executable
+  std::vector<std::string> args;          // every argument after the program name, as given
+                                          // (what a relaunch under mpirun forwards)
 };
 
 using Runner = std::function<int()>;

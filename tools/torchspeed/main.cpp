@@ -9,7 +9,7 @@
 #include "commands.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 int main(int argc, char** argv) {
   // Fast OpenBLAS kernels for this process and whatever it launches.
@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   char self[PATH_MAX] = {0};
   ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
   inv.self_path = len > 0 ? std::string(self, static_cast<size_t>(len)) : argv[0];
+  inv.args.assign(argv + 1, argv + argc);
   int cli_argc = argc;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--") == 0) {

@@ -21,7 +21,7 @@
 #include "torchspeed/comm/detail/mpi_handles.h"
 #include "torchspeed/comm/detail/progress.h"
 #include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::comm {
 namespace {

@@ -26,7 +26,7 @@
 #include "torchspeed/optim/lr_schedule.h"
 #include "torchspeed/parallel/process_grid.h"
 #include "torchspeed/precision/loss_scaler.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 #include "torchspeed/zero/named_params.h"
 #include "torchspeed/zero/zero_optimizer.h"
 

@@ -630,4 +630,43 @@ bool under_launcher() {
                                       std::getenv("SLURM_STEP_ID"));
 }
 
+std::vector<std::string> relaunch_program(const Relaunch& r) {
+  std::vector<std::string> argv{r.self_path}, program;  // program: "--" and what follows it
+  auto dropped = [&](const std::string& a) -> int {  // 0: keep; 1: drop a; 2: drop a and its value
+    for (const std::string& d : r.drop) {
+      if (a == d) return 2;
+      if (a.size() > d.size() && a.compare(0, d.size(), d) == 0 && a[d.size()] == '=') return 1;
+    }
+    return 0;
+  };
+  for (size_t i = 0; i < r.args.size(); ++i) {
+    if (r.args[i] == "--") {  // everything after belongs to a program, never an option of ours
+      program.assign(r.args.begin() + static_cast<std::ptrdiff_t>(i), r.args.end());
+      break;
+    }
+    const int d = dropped(r.args[i]);
+    if (d == 2) ++i;
+    if (d == 0) argv.push_back(r.args[i]);
+  }
+  argv.insert(argv.end(), r.append.begin(), r.append.end());
+  argv.insert(argv.end(), program.begin(), program.end());
+  return argv;
+}
+
+int relaunch_under_mpirun(const Relaunch& r) {
+  LaunchOptions lo;
+  lo.num_ranks = r.num_ranks;
+  lo.hostfile = r.hostfile;
+  lo.program = relaunch_program(r);
+  lo.extra_env = r.extra_env;
+  const std::vector<std::string> argv = build_command(lo, LaunchContext::current());
+  std::fflush(stdout);
+  switch (r.how) {
+    case Relaunch::How::kExec: exec_command(argv);
+    case Relaunch::How::kRun: return run_command(argv);
+    case Relaunch::How::kShielded: return run_command_shielded(argv, r.on_interrupt ? r.on_interrupt : [] {});
+  }
+  return 1;
+}
+
 }  // namespace torchspeed::launcher

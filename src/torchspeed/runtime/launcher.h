@@ -107,4 +107,32 @@ std::vector<std::string> probe_hosts(const std::vector<std::string>& hosts, cons
 // True when this process was started by an MPI launcher or Slurm (then no launch is needed).
 bool under_launcher();
 
+// Note [Relaunching a command]: a CLI command asked for N ranks outside a launcher (`torchspeed
+// train -n 2 ...`) runs itself again under mpirun. The ranks get the user's own arguments,
+// forwarded unchanged, so no option can be forgotten on the way; only what the relaunch itself
+// decides is changed: options dropped by name (a secret that travels in the environment
+// instead, a value the relaunch sets itself) and arguments appended after the user's.
+struct Relaunch {
+  int num_ranks = 1;
+  std::string hostfile;
+  std::string self_path;          // this executable
+  std::vector<std::string> args;  // the arguments the user gave it (argv after the program name)
+  // Options not forwarded, with their values ("--api-key" drops "--api-key K" and "--api-key=K").
+  std::vector<std::string> drop;
+  std::vector<std::string> append;     // arguments after the user's
+  std::vector<std::string> extra_env;  // NAME=VALUE on every rank
+  enum class How {
+    kExec,      // mpirun replaces this process
+    kRun,       // mpirun runs as a child; its exit status is returned
+    kShielded,  // as kRun, in its own process group: Ctrl-C calls on_interrupt (run_command_shielded)
+  } how = How::kRun;
+  std::function<void()> on_interrupt;
+};
+// The program argv the ranks run: self_path, args without `drop`, then `append`, then "--" and
+// what followed it in args (a program's own arguments, forwarded untouched).
+std::vector<std::string> relaunch_program(const Relaunch& r);
+// Launches relaunch_program(r) on r.num_ranks ranks (this machine's LaunchContext) and returns
+// mpirun's exit status (never returns with kExec).
+int relaunch_under_mpirun(const Relaunch& r);
+
 }  // namespace torchspeed::launcher

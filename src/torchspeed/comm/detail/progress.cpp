@@ -49,7 +49,7 @@
 #include <cstring>
 
 #include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/runtime.h"
+#include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::comm::detail {
 namespace {

@@ -1,6 +1,6 @@
 // MPI start-up and shutdown, launcher detection and thread settings.
-// <mpi.h> appears only in .cpp files of runtime/ (init, finalize, abort) and comm/.
-#include "torchspeed/runtime/runtime.h"
+// comm/ owns MPI from init to abort: <mpi.h> appears only in comm/'s .cpp files.
+#include "torchspeed/comm/runtime.h"
 
 #include <mpi.h>
 #include <unistd.h>
