@@ -8,7 +8,7 @@
 
 #include "dist_util.h"
 #include "torchspeed/checkpoint/consolidated.h"
-#include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/serving_engine.h"
 #include "torchspeed/models/gpt.h"
 
 using namespace torchspeed;
@@ -47,7 +47,7 @@ EngineOptions options() {
   return EngineOptions().max_num_batched_tokens(24).max_num_seqs(8).kv(KVCacheOptions().block_size(8).budget_mb(2));
 }
 
-std::vector<std::vector<int64_t>> serve_all(Engine& e) {
+std::vector<std::vector<int64_t>> serve_all(ServingEngine& e) {
   std::vector<std::vector<int64_t>> out(8);
   for (int i = 0; i < 8; ++i) {
     SamplingParams p;
@@ -71,12 +71,12 @@ void check_tokens_equal_the_dense_models(bool llama) {
   auto model = std::make_shared<InferenceModel>(m, WeightFormat::kFP32, tp);
   EXPECT_EQ(model->local_heads(), 4 / tp->size());
   if (tp->rank() != 0) {
-    Engine::follow(*model, options(), tp);
+    ServingEngine::follow(*model, options(), tp);
     return;
   }
   std::vector<std::vector<int64_t>> parallel;
   {
-    Engine e(model, options(), tp);
+    ServingEngine e(model, options(), tp);
     const auto before = tp->stats();
     parallel = serve_all(e);
     const auto after = tp->stats();
@@ -86,7 +86,7 @@ void check_tokens_equal_the_dense_models(bool llama) {
     e.stop(false);  // tells the followers to return
   }
   auto dense = std::make_shared<InferenceModel>(m, WeightFormat::kFP32);
-  Engine d(dense, options());
+  ServingEngine d(dense, options());
   const auto ref = serve_all(d);
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_EQ(parallel[i], ref[i]) << "request " << i << " at tp " << tp->size();

@@ -15,7 +15,7 @@
 
 #include "test_util.h"
 #include "torchspeed/checkpoint/consolidated.h"
-#include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/serving_engine.h"
 #include "torchspeed/inference/linear_bf16.h"
 #include "torchspeed/models/gpt.h"
 
@@ -291,7 +291,7 @@ struct Collected {
 std::vector<Collected> run_requests(Fixture& f, const EngineOptions& o, const std::vector<int>& which, bool sampled,
                                     uint64_t* preemptions = nullptr, WeightFormat fmt = WeightFormat::kFP32) {
   auto model = std::make_shared<InferenceModel>(f.model, fmt);
-  Engine engine(model, o);
+  ServingEngine engine(model, o);
   std::vector<Collected> out(which.size());
   for (size_t i = 0; i < which.size(); ++i) {
     SamplingParams p;
@@ -405,7 +405,7 @@ TEST(Engine, PrefixCacheGivesTheSameTokens) {
     auto model = std::make_shared<InferenceModel>(f.model, fmt);
     for (bool sampled : {false, true}) {
       auto run = [&](bool caching, bool one_by_one, EngineStats* st) {
-        Engine engine(model, opts(256, 16).prefix_caching(caching));
+        ServingEngine engine(model, opts(256, 16).prefix_caching(caching));
         std::vector<std::vector<int64_t>> out(8);
         for (int i = 0; i < 8; ++i) {
           SamplingParams p;
@@ -488,7 +488,7 @@ TEST(Engine, SpeculativeDecodingGivesThePlainTokens) {
     auto run = [&](int64_t k, const std::vector<int>& which, EngineStats* st) {
       EngineOptions o = opts(256, 16);
       if (k > 0) o.speculative(SpeculativeOptions().num_speculative_tokens(k).prompt_lookup_max(3));
-      Engine engine(model, o);
+      ServingEngine engine(model, o);
       std::vector<Out> out(which.size());
       for (size_t i = 0; i < which.size(); ++i) {
         SamplingParams p;
@@ -541,11 +541,11 @@ TEST(Engine, SpeculativeDecodingGivesThePlainTokens) {
 TEST(Engine, SubmitAllQueuesEveryChoiceOrNone) {
   Fixture f;
   auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
-  Engine e(model, opts(64, 4).max_queue(4));
+  ServingEngine e(model, opts(64, 4).max_queue(4));
   SamplingParams p;
   p.max_tokens = 2;
   auto group = [&](int n) {
-    std::vector<Engine::Submission> g;
+    std::vector<ServingEngine::Submission> g;
     for (int i = 0; i < n; ++i) g.push_back({prompt_of(i, 6), p, nullptr});
     return g;
   };
@@ -574,7 +574,7 @@ TEST(Engine, StopStringsQueueLimitAndCancel) {
   p.max_tokens = 20;
   std::vector<int64_t> full;
   {
-    Engine e(model, opts(64, 4));
+    ServingEngine e(model, opts(64, 4));
     e.submit(prompt_of(1, 6), p, [&](const RequestEvent& ev) { for (auto& t : ev.tokens) full.push_back(t.id); });
     e.run_until_idle();
   }
@@ -588,7 +588,7 @@ TEST(Engine, StopStringsQueueLimitAndCancel) {
   std::string text, reason;
   int64_t completion = 0;
   {
-    Engine e(model, opts(64, 4));
+    ServingEngine e(model, opts(64, 4));
     e.submit(prompt_of(1, 6), ps, [&](const RequestEvent& ev) {
       text += ev.text;
       if (ev.finished) {
@@ -602,7 +602,7 @@ TEST(Engine, StopStringsQueueLimitAndCancel) {
   EXPECT_EQ(text, sanitize_utf8(bytes.substr(0, at)));
   EXPECT_EQ(completion, static_cast<int64_t>(at + stop.size()));
   // Queue limit and cancellation: the blocks of a cancelled request come back.
-  Engine e(model, EngineOptions().max_queue(2).max_num_seqs(4).kv(KVCacheOptions().block_size(8).budget_mb(2)));
+  ServingEngine e(model, EngineOptions().max_queue(2).max_num_seqs(4).kv(KVCacheOptions().block_size(8).budget_mb(2)));
   std::string r1;
   auto id1 = e.submit(prompt_of(2, 10), p, [&](const RequestEvent& ev) { if (ev.finished) r1 = ev.finish_reason; });
   auto id2 = e.submit(prompt_of(3, 10), p, nullptr);
@@ -626,7 +626,7 @@ TEST(Engine, PromptLogprobsOnceEachUnderPreemption) {
   Fixture f;
   auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
   auto run = [&](const EngineOptions& o, uint64_t* preemptions) {
-    Engine e(model, o);
+    ServingEngine e(model, o);
     std::vector<std::vector<GeneratedToken>> lps(12);
     for (int i = 0; i < 12; ++i) {
       SamplingParams p;
@@ -663,7 +663,7 @@ TEST(Engine, DrainDeadlineAndThrowingReceivers) {
   Fixture f;
   auto model = std::make_shared<InferenceModel>(f.model, WeightFormat::kFP32);
   {
-    Engine e(model, opts(64, 4));
+    ServingEngine e(model, opts(64, 4));
     std::atomic<int> aborted{0};
     SamplingParams p;
     p.max_tokens = 50;
@@ -684,7 +684,7 @@ TEST(Engine, DrainDeadlineAndThrowingReceivers) {
   }
   {
     // A receiver that throws loses its own request; the others and the engine go on.
-    Engine e(model, opts(64, 4));
+    ServingEngine e(model, opts(64, 4));
     std::string r2;
     int calls = 0;
     SamplingParams p;

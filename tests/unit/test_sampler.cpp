@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "torchspeed/inference/sampler.h"
-#include "torchspeed/inference/text.h"
+#include "torchspeed/inference/text_stream.h"
 
 using namespace torchspeed::inference;
 

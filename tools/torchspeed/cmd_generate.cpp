@@ -9,7 +9,7 @@
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/data/text.h"
-#include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/serving_engine.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/runtime/error.h"
 
@@ -44,7 +44,7 @@ Runner add_generate(CLI::App& app) {
       const double kv_mb = static_cast<double>(inference::KVCache::bytes_per_block(gpt.n_layer, gpt.kv_heads(), gpt.hd(),
                                                                                  inference::KVCacheOptions())) *
                            static_cast<double>(inference::blocks_for(gpt.seq_len, 16)) / 1048576.0 * 1.01;
-      inference::Engine engine(model, inference::EngineOptions().kv(inference::KVCacheOptions().budget_mb(kv_mb)).tokenizer(tok));
+      inference::ServingEngine engine(model, inference::EngineOptions().kv(inference::KVCacheOptions().budget_mb(kv_mb)).tokenizer(tok));
       inference::SamplingParams p;
       p.temperature = o->sample.temperature;
       p.top_k = o->sample.top_k;

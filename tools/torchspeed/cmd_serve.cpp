@@ -18,7 +18,7 @@
 #include "torchspeed/checkpoint/gguf.h"
 #include "torchspeed/checkpoint/peft.h"
 #include "torchspeed/comm/communicator.h"
-#include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/serving_engine.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/launcher.h"
 #include "torchspeed/runtime/logging.h"
@@ -225,7 +225,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     if (!rt.is_rank0()) {
       auto model = std::make_shared<inference::InferenceModel>(checkpoint::load_model(o->checkpoint), fmt, tp, o->bf16_dot);
       load_adapters(*model, lora);
-      inference::Engine::follow(*model, eo, tp);
+      inference::ServingEngine::follow(*model, eo, tp);
       return 0;
     }
     serve::Server server(serve::ServerOptions()
@@ -251,7 +251,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
     const data::ChatFormatPtr chat = data::chat_format_of_model(o->checkpoint, loaded, *eo.tokenizer());
     auto model = std::make_shared<inference::InferenceModel>(loaded, fmt, tp, o->bf16_dot);
     load_adapters(*model, lora);
-    inference::Engine engine(model, eo, tp);
+    inference::ServingEngine engine(model, eo, tp);
     server.set_chat_format(chat);
     server.set_engine(&engine);
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -261,7 +261,7 @@ Runner add_serve(CLI::App& app, const Invocation& inv) {
                 static_cast<long long>(engine.context_length()), static_cast<double>(engine.kv_cache_bytes()) / 1048576.0, eo.kv().dtype() == at::kBFloat16 ? "bf16" : eo.kv().dtype() == at::kChar ? "int8" : "fp32",
                 static_cast<long long>(engine.stats().blocks_total), static_cast<long long>(o->block_size));
     std::fflush(stdout);
-    // The engine runs on this thread (the one that loaded the model: see Engine::run); a
+    // The engine runs on this thread (the one that loaded the model: see ServingEngine::run); a
     // helper thread waits for the stop request and drains.
     std::thread stopper([&] {
       while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -21,41 +21,6 @@
 
 namespace torchspeed::inference {
 
-std::vector<int64_t> StepPlan::serialize() const {
-  std::vector<int64_t> f{static_cast<int64_t>(seqs.size())};
-  for (const SeqChunk& s : seqs) {
-    f.insert(f.end(), {s.start, static_cast<int64_t>(s.tokens.size()), static_cast<int64_t>(s.blocks.size()),
-                       (s.all_logits ? 1 : 0) | (s.want_logits ? 2 : 0) | (s.speculative ? 4 : 0) |
-                                                               (static_cast<int64_t>(s.adapter) << 3)});
-    f.insert(f.end(), s.tokens.begin(), s.tokens.end());
-    f.insert(f.end(), s.blocks.begin(), s.blocks.end());
-  }
-  return f;
-}
-
-StepPlan StepPlan::deserialize(const std::vector<int64_t>& f) {
-  StepPlan p;
-  size_t i = 0;
-  auto next = [&]() {
-    TS_INTERNAL_ASSERT(i < f.size(), "step plan truncated at ", i);
-    return f[i++];
-  };
-  const int64_t n = next();
-  for (int64_t s = 0; s < n; ++s) {
-    SeqChunk c;
-    c.start = next();
-    const int64_t nt = next(), nb = next(), flags = next();
-    c.all_logits = flags & 1;
-    c.want_logits = flags & 2;
-    c.speculative = flags & 4;
-    c.adapter = static_cast<int32_t>(flags >> 3);
-    for (int64_t k = 0; k < nt; ++k) c.tokens.push_back(next());
-    for (int64_t k = 0; k < nb; ++k) c.blocks.push_back(static_cast<int32_t>(next()));
-    p.seqs.push_back(std::move(c));
-  }
-  return p;
-}
-
 namespace {
 // One row of `n` values as int8 and its scale, max |x| / 127 (0 for a row of zeros): q =
 // round-to-nearest-even(x * 127 / max |x|).

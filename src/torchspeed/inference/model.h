@@ -18,31 +18,10 @@
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/inference/kv_cache.h"
 #include "torchspeed/inference/linear.h"
+#include "torchspeed/inference/scheduler.h"
 #include "torchspeed/models/gpt.h"
 
 namespace torchspeed::inference {
-
-// One sequence's part of a forward pass: tokens at positions [start, start + tokens.size()),
-// attending to every earlier position of the sequence (already in the cache).
-struct SeqChunk {
-  int64_t start = 0;
-  std::vector<int64_t> tokens;
-  std::vector<int32_t> blocks;  // the sequence's block table (covers start + tokens.size())
-  bool all_logits = false;      // logits for every token of the chunk, not just the last
-  bool want_logits = true;      // false: a prompt chunk that is not the prompt's end
-  // A decode token followed by draft tokens to verify (speculative decoding): every row is
-  // computed as a decode row (the row kernels, attention row by row over the positions up to
-  // its own), so each gets the bits it would get decoded alone. Needs all_logits.
-  bool speculative = false;
-  int32_t adapter = 0;  // the LoRA adapter the chunk runs with (InferenceModel::add_adapter's id; 0: none)
-};
-
-struct StepPlan {
-  std::vector<SeqChunk> seqs;
-  // Flat int64 form, for sending the plan to the other tensor-parallel ranks.
-  std::vector<int64_t> serialize() const;
-  static StepPlan deserialize(const std::vector<int64_t>& flat);
-};
 
 // The KV cache dtype `--kv-cache-dtype auto` picks: fp32 beside fp32 weights, bf16 beside the
 // compact formats (whose users chose memory over the last bits).

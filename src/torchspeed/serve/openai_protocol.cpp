@@ -8,7 +8,7 @@
 #include "torchspeed/serve/tool_calls.h"
 
 #include "torchspeed/data/text.h"
-#include "torchspeed/inference/text.h"
+#include "torchspeed/inference/text_stream.h"
 
 namespace torchspeed::serve {
 

@@ -13,7 +13,7 @@
 
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/tokenizer.h"
-#include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/serving_engine.h"
 #include "torchspeed/serve/tool_calls.h"
 
 namespace torchspeed::serve {

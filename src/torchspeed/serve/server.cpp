@@ -13,7 +13,7 @@
 #include <sstream>
 #include <thread>
 
-#include "torchspeed/inference/text.h"
+#include "torchspeed/inference/text_stream.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/logging.h"
 #include "torchspeed/serve/chat_page.h"
@@ -120,7 +120,7 @@ struct Job {
 struct Server::Impl {
   ServerOptions o;
   std::unique_ptr<http::Server> http;
-  std::atomic<inference::Engine*> engine{nullptr};
+  std::atomic<inference::ServingEngine*> engine{nullptr};
   data::ChatFormatPtr chat;  // set before the engine is published
   int64_t max_token_bytes = 0;  // of the engine's tokenizer, found once in set_engine
   std::atomic<bool> draining{false};
@@ -132,7 +132,7 @@ struct Server::Impl {
   Clock::time_point last_scrape = Clock::now();
   uint64_t last_tokens = 0;
 
-  ProtocolLimits limits(inference::Engine& e) const {
+  ProtocolLimits limits(inference::ServingEngine& e) const {
     ProtocolLimits l;
     l.model_name = o.model_name();
     for (const auto& m : o.lora_modules()) l.adapters.push_back(m.first);
@@ -161,7 +161,7 @@ struct Server::Impl {
   }
 
   // 503 with the reason when the engine cannot take work: loading, draining, or failed.
-  std::optional<ApiError> unavailable(inference::Engine* e) const {
+  std::optional<ApiError> unavailable(inference::ServingEngine* e) const {
     if (!e) return ApiError(503, "the model is still loading", "", "server_error", "model_loading");
     if (e->failed()) return ApiError(503, "the inference engine failed and is stopping: " + e->failure(), "", "server_error", "engine_failed");
     if (draining || !e->accepting()) return ApiError(503, "the server is shutting down", "", "server_error", "shutting_down");
@@ -290,7 +290,7 @@ struct Server::Impl {
   void answer(const std::shared_ptr<Job>& job) {
     for (const auto& c : job->choices) {
       if (c.finish_reason == "abort") {
-        inference::Engine* e = engine.load();
+        inference::ServingEngine* e = engine.load();
         const std::string why = e && e->failed() ? "the inference engine failed: " + e->failure() : "the server is stopping";
         return send_error(job->res, ApiError(503, "the request was aborted: " + why, "", "server_error"));
       }
@@ -329,7 +329,7 @@ struct Server::Impl {
   }
 
   void cancel(Job& job) {
-    inference::Engine* e = engine.load();
+    inference::ServingEngine* e = engine.load();
     std::vector<uint64_t> ids;
     {
       std::lock_guard<std::mutex> g(job.mu);
@@ -342,7 +342,7 @@ struct Server::Impl {
 
   void generate(http::Request& req, const http::Responder& res, bool chat_route) {
     if (!authorized(req, res)) return;
-    inference::Engine* e = engine.load();
+    inference::ServingEngine* e = engine.load();
     if (auto err = unavailable(e)) return send_error(res, *err);
     try {
       const ProtocolLimits l = limits(*e);
@@ -365,7 +365,7 @@ struct Server::Impl {
       job->created = created;
       job->id = (chat_route ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
       for (const auto& pr : r->prompts) job->prompt_tokens += static_cast<int64_t>(pr.size());
-      std::vector<inference::Engine::Submission> group;
+      std::vector<inference::ServingEngine::Submission> group;
       for (int64_t i = 0; i < job->total; ++i) {
         inference::SamplingParams p = r->params;
         if (p.seed) p.seed = *p.seed + static_cast<uint64_t>(i % r->best_of);
@@ -458,14 +458,14 @@ struct Server::Impl {
       }, Mode::kInline);
     }
     http->route("GET", "/health", [this](http::Request&, const http::Responder& res) {
-      inference::Engine* e = engine.load();
+      inference::ServingEngine* e = engine.load();
       if (!e) return res.respond(json_response(503, {{"status", "loading"}})), void();
       if (e->failed()) return res.respond(json_response(503, {{"status", "failed"}})), void();
       if (draining) return res.respond(json_response(503, {{"status", "draining"}})), void();
       res.respond(json_response(200, {{"status", "ok"}}));
     }, Mode::kInline);
     http->route("GET", "/metrics", [this](http::Request&, const http::Responder& res) {
-      inference::Engine* e = engine.load();
+      inference::ServingEngine* e = engine.load();
       if (!e) return send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
       const inference::EngineStats s = e->stats();
       double rate = 0;
@@ -484,7 +484,7 @@ struct Server::Impl {
     }, Mode::kInline);
     http->route("GET", "/v1/models", [this](http::Request& req, const http::Responder& res) {
       if (!authorized(req, res)) return;
-      inference::Engine* e = engine.load();
+      inference::ServingEngine* e = engine.load();
       if (!e) return send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
       // The base model, then each LoRA adapter with its folder as root and the base as parent (as
       // vLLM lists them).
@@ -497,17 +497,17 @@ struct Server::Impl {
       }
       res.respond(json_response(200, {{"object", "list"}, {"data", std::move(data)}}));
     }, Mode::kInline);
-    // Embeddings: the engine's thread runs the forward between two steps (Engine::embed).
+    // Embeddings: the engine's thread runs the forward between two steps (ServingEngine::embed).
     http->route("POST", "/v1/embeddings", [this](http::Request& req, const http::Responder& res) {
       if (!authorized(req, res)) return;
-      inference::Engine* e = engine.load();
+      inference::ServingEngine* e = engine.load();
       if (auto err = unavailable(e)) return send_error(res, *err);
       try {
         const ProtocolLimits l = limits(*e);
         const EmbeddingRequest r = parse_embeddings(parse_body(req.body), l);
         std::vector<std::vector<float>> vectors;
         try {
-          vectors = e->embed(r.inputs, o.pooling() == "mean" ? inference::Engine::Pooling::kMean : inference::Engine::Pooling::kLast,
+          vectors = e->embed(r.inputs, o.pooling() == "mean" ? inference::ServingEngine::Pooling::kMean : inference::ServingEngine::Pooling::kLast,
                              /*normalize=*/true);
         } catch (const inference::EngineBusy& err) {
           throw ApiError(503, err.what(), "", "server_error", "kv_cache_full");
@@ -528,7 +528,7 @@ struct Server::Impl {
       const bool tok = std::string(path) == "/tokenize";
       http->route("POST", path, [this, tok](http::Request& req, const http::Responder& res) {
         if (!authorized(req, res)) return;
-        inference::Engine* e = engine.load();
+        inference::ServingEngine* e = engine.load();
         if (!e) return send_error(res, ApiError(503, "the model is still loading", "", "server_error", "model_loading"));
         try {
           const ProtocolLimits l = limits(*e);
@@ -573,7 +573,7 @@ void Server::start() {
 
 int Server::port() const { return impl_->bound_port; }
 
-void Server::set_engine(inference::Engine* engine) {
+void Server::set_engine(inference::ServingEngine* engine) {
   if (engine && engine->tokenizer()) {
     int64_t longest = 1;
     const auto& t = *engine->tokenizer();
@@ -599,7 +599,7 @@ void Server::shutdown(double drain_timeout_s) {
   s.shut = true;
   s.draining = true;
   s.http->stop_accepting();
-  if (inference::Engine* e = s.engine.load()) e->stop(/*drain=*/true, drain_timeout_s);
+  if (inference::ServingEngine* e = s.engine.load()) e->stop(/*drain=*/true, drain_timeout_s);
   // The workers write the last events and answers; a client that does not read them gets
   // a few seconds.
   for (int i = 0; i < 100 && s.http->exchanges_open() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -1,4 +1,4 @@
-// The HTTP front end over inference::Engine: OpenAI's routes (/v1/completions,
+// The HTTP front end over inference::ServingEngine: OpenAI's routes (/v1/completions,
 // /v1/chat/completions, /v1/models), /health (503 while the model loads) and /metrics
 // (Prometheus text), server-sent-event streaming, an optional API key, limits on everything a
 // client controls (serve/http.h), on queue, max_tokens and a request's tokens, and a draining
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "torchspeed/data/model_tokenizer.h"
-#include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/serving_engine.h"
 
 namespace torchspeed::serve {
 
@@ -46,7 +46,7 @@ class Server {
   // Binds and serves on a thread of its own; /health answers 503 until set_engine.
   void start();
   int port() const;  // the bound port (options.port 0 picks a free one)
-  void set_engine(inference::Engine* engine);
+  void set_engine(inference::ServingEngine* engine);
   // The model's chat format (its template and end-of-turn tokens); set before set_engine.
   void set_chat_format(data::ChatFormatPtr chat);
   // Stops taking requests (503), lets the engine finish what it has for up to

@@ -1,4 +1,4 @@
-#include "torchspeed/inference/text.h"
+#include "torchspeed/inference/text_stream.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,11 +1,10 @@
 // The serving engine: requests in, tokens out, one loop that batches continuously. Each
-// iteration the scheduler builds one forward pass under a token budget: every running decode
-// first (one token each), then chunks of prompts (FastGen's Dynamic SplitFuse, vLLM's chunked
-// prefill), admitting waiting requests while KV blocks and sequence slots allow. A request
-// never waits for another to finish; when the cache runs out the latest admitted sequence is
-// preempted (its blocks freed, recomputed later). Finished, cancelled and disconnected
-// requests return their blocks in the same iteration. With a tensor-parallel group, rank 0
-// runs the loop and sends each step's plan to the other ranks, which run `follow`.
+// iteration the scheduler (scheduler.h: decodes first, then prompt chunks, then admissions,
+// under a token budget; the latest admitted sequence preempted when the cache runs out) plans
+// one forward pass; the engine runs it, samples, streams text to each request's sink and ends
+// finished, cancelled and disconnected requests, whose blocks return in the same iteration. A
+// request never waits for another to finish. With a tensor-parallel group, rank 0 runs the loop
+// and sends each step's plan to the other ranks, which run `follow`.
 #pragma once
 
 #include <atomic>
@@ -28,29 +27,10 @@
 #include "torchspeed/inference/kv_cache.h"
 #include "torchspeed/inference/model.h"
 #include "torchspeed/inference/sampler.h"
-#include "torchspeed/inference/text.h"
+#include "torchspeed/inference/scheduler.h"
+#include "torchspeed/inference/text_stream.h"
 
 namespace torchspeed::inference {
-
-// Speculative decoding (Note [Speculative decoding]), as vLLM's --speculative-config: n-gram
-// prompt lookup proposes up to num_speculative_tokens tokens for each greedy decode, and one
-// forward pass verifies them.
-struct SpeculativeOptions {
-  TORCH_ARG(int64_t, num_speculative_tokens) = 0;  // 0: off
-  TORCH_ARG(int64_t, prompt_lookup_max) = 4;       // the longest n-gram matched
-  TORCH_ARG(int64_t, prompt_lookup_min) = 1;       // the shortest
-  TORCH_ARG(int64_t, disable_by_batch_size) = 0;   // no drafts while more sequences run (0: no limit)
-  // (TORCH_ARG leaves the struct's members private.)
- public:
-  // vLLM's JSON (`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`);
-  // a key we do not honour is refused by name.
-  static SpeculativeOptions from_json(const std::string& text);
-};
-
-// n-gram prompt lookup: the tokens that followed the latest earlier occurrence of the last n
-// tokens, for the largest n in [min_n, max_n] that occurs earlier; at most k of them (none when
-// no such n-gram occurs).
-std::vector<int64_t> ngram_propose(const std::vector<int64_t>& tokens, int64_t min_n, int64_t max_n, int64_t k);
 
 struct EngineOptions {
   TORCH_ARG(int64_t, max_num_seqs) = 16;             // sequences in one forward pass
@@ -113,11 +93,11 @@ struct EngineBusy : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-class Engine {
+class ServingEngine {
  public:
   // `tp`: the tensor-parallel group (rank 0 calls this; the others call follow()).
-  Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& options, comm::CommunicatorPtr tp = nullptr);
-  ~Engine();
+  ServingEngine(std::shared_ptr<InferenceModel> model, const EngineOptions& options, comm::CommunicatorPtr tp = nullptr);
+  ~ServingEngine();
 
   // Queues a request; returns its id, or nullopt when the queue is full. The prompt must fit
   // the context with max_tokens (checked here: TS_CHECK names the limit).
@@ -180,11 +160,8 @@ class Engine {
   struct Sequence;
   void admit_inbox();
   void run_tasks();  // the queued embed() calls
-  bool schedule(StepPlan& plan, std::vector<Sequence*>& order);
   void finish(Sequence& s, const std::string& reason);
   void deliver(Sequence& s, const RequestEvent& ev);
-  void preempt_last();
-  bool ensure_blocks(Sequence& s, int64_t positions);
   void send_plan(const StepPlan* plan);
   void loop();
   void publish_stats();
@@ -194,6 +171,7 @@ class Engine {
   comm::CommunicatorPtr tp_;
   std::unique_ptr<KVCache> cache_;
   BlockPool pool_;
+  Scheduler sched_;  // the waiting and running sequences (owned by the loop)
   data::TokenizerPtr tokenizer_;
   int64_t eos_;
   std::once_flag trie_once_;
@@ -210,13 +188,10 @@ class Engine {
   std::atomic<bool> failed_{false};
   uint64_t fault_step_ = 0;  // TORCHSPEED_INFERENCE_FAULT=step:N (tests)
   std::string failure_;
-  std::atomic<int64_t> queued_{0};  // inbox + waiting
+  std::atomic<int64_t> queued_{0};  // inbox + the scheduler's waiting
   EngineStats stats_;  // what stats() returns, copied from ls_ after each step
   EngineStats ls_;     // owned by the loop
 
-  // Owned by the loop.
-  std::deque<std::unique_ptr<Sequence>> waiting_;
-  std::vector<std::unique_ptr<Sequence>> running_;
   std::thread thread_;
 };
 

@@ -1,4 +1,4 @@
-#include "torchspeed/inference/engine.h"
+#include "torchspeed/inference/serving_engine.h"
 
 #include <ATen/ATen.h>
 
@@ -32,91 +32,22 @@ std::vector<double> latency_buckets() {
 constexpr int64_t kKeepAlive = 0, kStop = -1;
 }  // namespace
 
-// Note [Speculative decoding]
-// A decode step reads every weight to produce one token per sequence; at small batches it is
-// bound by those bytes, and k more rows cost little more than one. Speculative decoding guesses
-// k next tokens cheaply and verifies them in one forward pass: the chunk [last token, d1..dk]
-// gives logits after each; the model's own choice after the last token is taken, and while it
-// equals the next draft, the choice after that draft too. Every verified token is one the plain
-// decode would have produced: the chunk's rows run as decode rows (the same linear kernels, each
-// row's attention over the positions up to its own; SeqChunk::speculative), so their logits
-// have the bits a lone decode would give, and only greedy requests are speculated on (a sampled
-// token would need rejection sampling, which draws other random numbers than plain decoding).
-// Rejected drafts leave keys and values past the sequence's computed positions; they are
-// overwritten when those positions are computed. The guesses come from the sequence itself
-// (n-gram prompt lookup, vLLM's "ngram" method, llama.cpp's lookup decoding): the tokens that
-// followed the latest earlier occurrence of its last n tokens. Code and documents being edited
-// repeat themselves, and there most drafts are accepted. /metrics reports drafts and
-// acceptances.
-std::vector<int64_t> ngram_propose(const std::vector<int64_t>& tokens, int64_t min_n, int64_t max_n, int64_t k) {
-  const auto L = static_cast<int64_t>(tokens.size());
-  for (int64_t n = std::min(max_n, L - 1); n >= std::max<int64_t>(min_n, 1); --n) {
-    const int64_t* suffix = tokens.data() + L - n;
-    for (int64_t i = L - n - 1; i >= 0; --i) {
-      if (std::equal(suffix, suffix + n, tokens.data() + i)) {
-        const int64_t from = i + n, to = std::min(L, from + k);
-        if (from < to) return std::vector<int64_t>(tokens.begin() + from, tokens.begin() + to);
-      }
-    }
-  }
-  return {};
-}
-
-SpeculativeOptions SpeculativeOptions::from_json(const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-  TS_CHECK(!j.is_discarded() && j.is_object(), "--speculative-config: a JSON object, e.g. {\"method\": \"ngram\", "
-           "\"num_speculative_tokens\": 4}");
-  SpeculativeOptions o;
-  auto integer = [&](const char* key, int64_t lo, int64_t hi) {
-    const auto& v = j.at(key);
-    TS_CHECK(v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi, "--speculative-config: \"", key,
-             "\" must be an integer in [", lo, ", ", hi, "], got ", v.dump());
-    return v.get<int64_t>();
-  };
-  for (const auto& [key, v] : j.items()) {
-    if (key == "method") {
-      TS_CHECK(v.is_string() && (v == "ngram"), "--speculative-config: \"method\" ", v.dump(),
-               " is not supported; \"ngram\" (prompt lookup) is");
-    } else if (key == "num_speculative_tokens") {
-      o.num_speculative_tokens(integer("num_speculative_tokens", 1, 16));
-    } else if (key == "prompt_lookup_max") {
-      o.prompt_lookup_max(integer("prompt_lookup_max", 1, 64));
-    } else if (key == "prompt_lookup_min") {
-      o.prompt_lookup_min(integer("prompt_lookup_min", 1, 64));
-    } else if (key == "disable_by_batch_size") {
-      o.disable_by_batch_size(integer("disable_by_batch_size", 1, 1 << 20));
-    } else {
-      TS_CHECK(false, "--speculative-config: key \"", key, "\" is not supported (known: method, num_speculative_tokens, "
-               "prompt_lookup_max, prompt_lookup_min, disable_by_batch_size)");
-    }
-  }
-  TS_CHECK(j.contains("method"), "--speculative-config: \"method\" is required (\"ngram\")");
-  TS_CHECK(j.contains("num_speculative_tokens"), "--speculative-config: \"num_speculative_tokens\" is required");
-  if (!j.contains("prompt_lookup_max") && j.contains("prompt_lookup_min")) o.prompt_lookup_max(o.prompt_lookup_min());
-  TS_CHECK(o.prompt_lookup_min() <= o.prompt_lookup_max(), "--speculative-config: prompt_lookup_min ", o.prompt_lookup_min(),
-           " exceeds prompt_lookup_max ", o.prompt_lookup_max());
-  return o;
-}
-
-struct Engine::Sequence {
-  uint64_t id = 0;
-  std::vector<int64_t> tokens;  // prompt, then generated
-  int64_t prompt_len = 0, computed = 0, generated = 0;
-  std::vector<int32_t> blocks;
-  std::vector<uint64_t> block_keys;  // prefix keys of blocks [0, size) (published or matched)
+// A request as the engine holds it: the scheduler's part (tokens, blocks; scheduler.h), then
+// sampling, text and delivery.
+struct ServingEngine::Sequence : ScheduledSequence {
+  int64_t prompt_len = 0;
   SamplingParams params;
   Sampler sampler;
   TextStream text;
   Sink sink;
   Clock::time_point submitted, last_token;
-  bool prompt_lp_pending = false;
   int64_t prompt_lp_count = 0;  // prompt logprobs produced (a preempted prompt recomputes: not twice)
   std::vector<GeneratedToken> new_tokens, prompt_lps;
   bool stopped = false;
-  int32_t adapter = 0;  // LoRA adapter (0: the base model)
-  // The prefix cache's root for the sequence: each adapter's KV entries are its own.
-  uint64_t cache_root() const { return adapter == 0 ? 0 : ~uint64_t{0} - static_cast<uint64_t>(adapter); }
-  Sequence(const SamplingParams& p, int64_t eos) : params(p), sampler(p, eos), text(p.stop) {}
+  Sequence(const SamplingParams& p, int64_t eos) : params(p), sampler(p, eos), text(p.stop) {
+    greedy = p.temperature <= 0;
+    max_tokens = p.max_tokens;
+  }
 };
 
 KVCacheOptions resolve_kv(const KVCacheOptions& kv, const InferenceModel& model) {
@@ -130,19 +61,22 @@ KVCacheOptions resolve_kv(const KVCacheOptions& kv, const InferenceModel& model)
   return out;
 }
 
-Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& options_in, comm::CommunicatorPtr tp)
+ServingEngine::ServingEngine(std::shared_ptr<InferenceModel> model, const EngineOptions& options_in, comm::CommunicatorPtr tp)
     : model_(std::move(model)),
       options_(EngineOptions(options_in).kv(resolve_kv(options_in.kv(), *model_))),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       cache_(std::make_unique<KVCache>(model_->config().n_layer, model_->local_kv_heads(), model_->head_dim(), options_.kv())),
       pool_(cache_->num_blocks(), options_.prefix_caching() ? cache_->block_size() : 0),
+      sched_(SchedulerOptions()
+                 .max_num_seqs(options_.max_num_seqs())
+                 .max_num_batched_tokens(options_.max_num_batched_tokens())
+                 .context(model_->config().seq_len)
+                 .speculative(options_.speculative()),
+             pool_, cache_->block_size()),
       tokenizer_(options_.tokenizer() ? options_.tokenizer() : std::make_shared<data::ByteTokenizer>()),
       eos_(tokenizer_->eos_id()) {
   TS_CHECK(tokenizer_->vocab_size() <= model_->config().vocab, "the tokenizer (", tokenizer_->source(), ") has ",
            tokenizer_->vocab_size(), " tokens, more than the model's vocabulary of ", model_->config().vocab);
-  TS_CHECK(options_.max_num_seqs() > 0, "--max-num-seqs must be positive, got ", options_.max_num_seqs());
-  TS_CHECK(options_.max_num_batched_tokens() > 0, "--max-batched-tokens must be positive, got ",
-           options_.max_num_batched_tokens());
   TS_CHECK(options_.max_queue() >= 1, "--max-queue must be at least 1 (a request's choices wait there before they run), got ",
            options_.max_queue());
   // Test hook (the server's failure tests): TORCHSPEED_INFERENCE_FAULT=step:N makes the N-th
@@ -159,7 +93,7 @@ Engine::Engine(std::shared_ptr<InferenceModel> model, const EngineOptions& optio
   publish_stats();
 }
 
-Engine::~Engine() {
+ServingEngine::~ServingEngine() {
   try {
     if (thread_.joinable() || (tp_ && !followers_stopped_)) stop(false);
   } catch (const std::exception& e) {
@@ -167,7 +101,7 @@ Engine::~Engine() {
   }
 }
 
-std::optional<uint64_t> Engine::submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink,
+std::optional<uint64_t> ServingEngine::submit(std::vector<int64_t> prompt, const SamplingParams& params, Sink sink,
                                        int32_t adapter) {
   std::vector<Submission> one;
   one.push_back({std::move(prompt), params, std::move(sink), adapter});
@@ -176,7 +110,7 @@ std::optional<uint64_t> Engine::submit(std::vector<int64_t> prompt, const Sampli
   return ids->front();
 }
 
-std::optional<std::vector<uint64_t>> Engine::submit_all(std::vector<Submission> group) {
+std::optional<std::vector<uint64_t>> ServingEngine::submit_all(std::vector<Submission> group) {
   const int64_t ctx = model_->config().seq_len, vocab = model_->config().vocab;
   std::vector<std::unique_ptr<Sequence>> seqs;
   for (Submission& sub : group) {
@@ -221,155 +155,40 @@ std::optional<std::vector<uint64_t>> Engine::submit_all(std::vector<Submission> 
   return ids;
 }
 
-void Engine::cancel(uint64_t id) {
+void ServingEngine::cancel(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   cancelled_.insert(id);
   cv_.notify_one();
 }
 
-void Engine::admit_inbox() {
+void ServingEngine::admit_inbox() {
   std::set<uint64_t> cancelled;
   bool abort_all = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     while (!inbox_.empty()) {
-      waiting_.push_back(std::move(inbox_.front()));
+      sched_.add(std::move(inbox_.front()));
       inbox_.pop_front();
     }
     cancelled.swap(cancelled_);
     abort_all = stopping_ && !drain_;
   }
-  auto gone = [&](const std::unique_ptr<Sequence>& s) { return abort_all || cancelled.count(s->id) > 0; };
-  for (size_t i = 0; i < running_.size();) {
-    if (gone(running_[i])) {
-      finish(*running_[i], "abort");
-      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
-    } else {
-      ++i;
-    }
+  auto gone = [&](const std::unique_ptr<ScheduledSequence>& s) { return abort_all || cancelled.count(s->id) > 0; };
+  std::vector<const ScheduledSequence*> running, waiting;
+  for (const auto& s : sched_.running()) {
+    if (gone(s)) running.push_back(s.get());
   }
-  for (size_t i = 0; i < waiting_.size();) {
-    if (gone(waiting_[i])) {
-      finish(*waiting_[i], "abort");
-      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-      --queued_;
-    } else {
-      ++i;
-    }
+  for (const auto& s : sched_.waiting()) {
+    if (gone(s)) waiting.push_back(s.get());
   }
-}
-
-bool Engine::ensure_blocks(Sequence& s, int64_t positions) {
-  const int64_t need = blocks_for(positions, cache_->block_size()) - static_cast<int64_t>(s.blocks.size());
-  if (need <= 0) return true;
-  if (!pool_.can_allocate(need)) return false;
-  const auto got = pool_.allocate(need);
-  s.blocks.insert(s.blocks.end(), got.begin(), got.end());
-  return true;
-}
-
-void Engine::preempt_last() {
-  std::unique_ptr<Sequence> s = std::move(running_.back());
-  running_.pop_back();
-  pool_.release(s->blocks);
-  s->block_keys.clear();
-  s->computed = 0;
-  ++ls_.preemptions;
-  waiting_.push_front(std::move(s));
-  ++queued_;
-}
-
-bool Engine::schedule(StepPlan& plan, std::vector<Sequence*>& order) {
-  int64_t budget = options_.max_num_batched_tokens();
-  const SpeculativeOptions& spec = options_.speculative();
-  const int64_t spec_k = spec.disable_by_batch_size() > 0 && static_cast<int64_t>(running_.size()) > spec.disable_by_batch_size()
-                             ? 0
-                             : spec.num_speculative_tokens();
-  auto add = [&](Sequence& s, int64_t n) {
-    SeqChunk c;
-    c.start = s.computed;
-    c.tokens.assign(s.tokens.begin() + s.computed, s.tokens.begin() + s.computed + n);
-    c.blocks = s.blocks;
-    c.adapter = s.adapter;
-    const bool last = s.computed + n == static_cast<int64_t>(s.tokens.size());
-    c.all_logits = s.prompt_lp_pending;
-    c.want_logits = last || c.all_logits;
-    plan.seqs.push_back(std::move(c));
-    order.push_back(&s);
-    budget -= n;
-  };
-  // Running decodes (one token left to compute) first. A decode that finds no free block
-  // preempts the most recently admitted sequences, itself last; those are all later in
-  // running_, so none of them is in this step's plan yet.
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
-    Sequence& s = *running_[i];
-    if (static_cast<int64_t>(s.tokens.size()) - s.computed != 1) continue;
-    bool fits = ensure_blocks(s, s.computed + 1);
-    while (!fits && running_.back().get() != &s) {
-      preempt_last();
-      fits = ensure_blocks(s, s.computed + 1);
-    }
-    if (!fits) {
-      preempt_last();  // s itself
-      break;
-    }
-    std::vector<int64_t> drafts;
-    if (spec_k > 0 && s.params.temperature <= 0 && !s.prompt_lp_pending) {
-      // Drafts within max_tokens, the context and the budget, with blocks that are free now.
-      const auto len = static_cast<int64_t>(s.tokens.size());
-      const int64_t k = std::min({spec_k, s.params.max_tokens - s.generated - 1, model_->config().seq_len - len, budget - 1});
-      if (k > 0) drafts = ngram_propose(s.tokens, spec.prompt_lookup_min(), spec.prompt_lookup_max(), k);
-      if (!drafts.empty() && !ensure_blocks(s, s.computed + 1 + static_cast<int64_t>(drafts.size()))) drafts.clear();
-    }
-    add(s, 1);
-    if (!drafts.empty()) {  // the decode token, then its drafts, every row's logits
-      SeqChunk& c = plan.seqs.back();
-      c.tokens.insert(c.tokens.end(), drafts.begin(), drafts.end());
-      c.all_logits = c.want_logits = c.speculative = true;
-      budget -= static_cast<int64_t>(drafts.size());
-    }
-  }
-  // Then prompt chunks of running sequences, with the blocks that are free: preempting here
-  // could take a sequence already planned above.
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
-    Sequence& s = *running_[i];
-    const int64_t remaining = static_cast<int64_t>(s.tokens.size()) - s.computed;
-    if (remaining <= 1) continue;
-    const int64_t n = std::min(remaining, budget);
-    if (!ensure_blocks(s, s.computed + n)) break;
-    add(s, n);
-  }
-  // Waiting requests in arrival order (preempted ones first), while blocks and slots allow.
-  while (budget > 0 && !waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs()) {
-    Sequence& s = *waiting_.front();
-    const bool lookup = s.computed == 0 && pool_.caching() && !s.prompt_lp_pending;
-    if (lookup) {
-      // The longest cached run of whole blocks, leaving at least the last token to compute (its
-      // logits give the next token). Prompt logprobs need every prompt token's logits: no lookup.
-      const int64_t bs = cache_->block_size();
-      s.blocks = pool_.match(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, s.block_keys, s.cache_root());
-      s.computed = static_cast<int64_t>(s.blocks.size()) * bs;
-    }
-    const int64_t n = std::min(static_cast<int64_t>(s.tokens.size()) - s.computed, budget);
-    if (!ensure_blocks(s, s.computed + n)) {
-      pool_.release(s.blocks);  // the matched blocks wait in the cache with the sequence
-      s.block_keys.clear();
-      s.computed = 0;
-      break;
-    }
-    if (lookup) {
-      ls_.prefix_cache_queries += s.tokens.size();
-      ls_.prefix_cache_hits += static_cast<uint64_t>(s.computed);
-    }
-    running_.push_back(std::move(waiting_.front()));
-    waiting_.pop_front();
+  for (const ScheduledSequence* s : running) finish(static_cast<Sequence&>(*sched_.remove(s)), "abort");
+  for (const ScheduledSequence* s : waiting) {
+    finish(static_cast<Sequence&>(*sched_.remove(s)), "abort");
     --queued_;
-    add(s, n);
   }
-  return !plan.seqs.empty();
 }
 
-void Engine::finish(Sequence& s, const std::string& reason) {
+void ServingEngine::finish(Sequence& s, const std::string& reason) {
   pool_.release(s.blocks);
   RequestEvent ev;
   ev.text = s.text.take(true);
@@ -383,7 +202,7 @@ void Engine::finish(Sequence& s, const std::string& reason) {
   deliver(s, ev);
 }
 
-void Engine::deliver(Sequence& s, const RequestEvent& ev) {
+void ServingEngine::deliver(Sequence& s, const RequestEvent& ev) {
   if (!s.sink) return;
   try {
     s.sink(ev);
@@ -396,7 +215,7 @@ void Engine::deliver(Sequence& s, const RequestEvent& ev) {
   }
 }
 
-void Engine::send_plan(const StepPlan* plan) {
+void ServingEngine::send_plan(const StepPlan* plan) {
   if (!tp_) return;
   std::vector<int64_t> flat;
   if (plan) flat = plan->serialize();
@@ -405,7 +224,7 @@ void Engine::send_plan(const StepPlan* plan) {
   if (plan) tp_->broadcast(at::tensor(flat, at::kLong), 0);
 }
 
-void Engine::follow(InferenceModel& model, const EngineOptions& options, const comm::CommunicatorPtr& tp) {
+void ServingEngine::follow(InferenceModel& model, const EngineOptions& options, const comm::CommunicatorPtr& tp) {
   KVCache cache(model.config().n_layer, model.local_kv_heads(), model.head_dim(), resolve_kv(options.kv(), model));
   while (true) {
     at::Tensor header = at::empty({1}, at::kLong);
@@ -425,7 +244,7 @@ void Engine::follow(InferenceModel& model, const EngineOptions& options, const c
   }
 }
 
-std::vector<std::vector<float>> Engine::embed(const std::vector<std::vector<int64_t>>& inputs, Pooling pooling, bool normalize) {
+std::vector<std::vector<float>> ServingEngine::embed(const std::vector<std::vector<int64_t>>& inputs, Pooling pooling, bool normalize) {
   const int64_t ctx = model_->config().seq_len, vocab = model_->config().vocab;
   for (const auto& in : inputs) {
     TS_CHECK(!in.empty(), "an input to embed is empty");
@@ -480,7 +299,7 @@ std::vector<std::vector<float>> Engine::embed(const std::vector<std::vector<int6
   return result.get();
 }
 
-void Engine::run_tasks() {
+void ServingEngine::run_tasks() {
   std::deque<std::function<void()>> tasks;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -489,12 +308,16 @@ void Engine::run_tasks() {
   for (auto& t : tasks) t();  // a packaged task: an exception goes to its caller
 }
 
-bool Engine::step() {
+bool ServingEngine::step() {
   run_tasks();
   admit_inbox();
-  StepPlan plan;
-  std::vector<Sequence*> order;
-  const bool work = schedule(plan, order);
+  StepDecision d = sched_.schedule();
+  queued_ += d.preempted - d.admitted;
+  ls_.preemptions += static_cast<uint64_t>(d.preempted);
+  ls_.prefix_cache_queries += d.prefix_queries;
+  ls_.prefix_cache_hits += d.prefix_hits;
+  const StepPlan& plan = d.plan;
+  const bool work = !d.empty();
   if (work) {
     const auto t0 = Clock::now();
     if (fault_step_ > 0 && ls_.steps + 1 == fault_step_) {
@@ -507,8 +330,8 @@ bool Engine::step() {
     int64_t row = 0;
     std::vector<Sequence*> done;
     const auto now = Clock::now();
-    for (size_t i = 0; i < order.size(); ++i) {
-      Sequence& s = *order[i];
+    for (size_t i = 0; i < d.order.size(); ++i) {
+      Sequence& s = static_cast<Sequence&>(*d.order[i]);
       const SeqChunk& c = plan.seqs[i];
       const int64_t nt = static_cast<int64_t>(c.tokens.size());
       const int64_t rows = c.want_logits ? (c.all_logits ? nt : 1) : 0;
@@ -599,7 +422,7 @@ bool Engine::step() {
     }
     for (Sequence* s : done) {
       finish(*s, s->stopped ? "stop" : "length");
-      running_.erase(std::find_if(running_.begin(), running_.end(), [&](const auto& p) { return p.get() == s; }));
+      sched_.remove(s);
     }
     ++ls_.steps;
     ls_.busy_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -608,11 +431,11 @@ bool Engine::step() {
   return work;
 }
 
-void Engine::publish_stats() {
+void ServingEngine::publish_stats() {
   std::lock_guard<std::mutex> g(mu_);
   stats_ = ls_;
-  stats_.running = static_cast<int64_t>(running_.size());
-  stats_.waiting = static_cast<int64_t>(waiting_.size() + inbox_.size());
+  stats_.running = static_cast<int64_t>(sched_.running().size());
+  stats_.waiting = static_cast<int64_t>(sched_.waiting().size() + inbox_.size());
   stats_.blocks_used = pool_.used();
   stats_.blocks_free = pool_.free();
   stats_.blocks_total = pool_.total();
@@ -626,17 +449,17 @@ void Engine::publish_stats() {
   }
 }
 
-void Engine::run_until_idle() {
+void ServingEngine::run_until_idle() {
   while (true) {
     const bool worked = step();
     std::lock_guard<std::mutex> g(mu_);
-    if (!worked && inbox_.empty() && running_.empty() && waiting_.empty()) return;
+    if (!worked && inbox_.empty() && sched_.idle()) return;
   }
 }
 
-void Engine::loop() {
+void ServingEngine::loop() {
   struct Done {
-    Engine* e;
+    ServingEngine* e;
     ~Done() {
       e->run_tasks();  // an embed() queued as the loop ended still gets its answer
       std::lock_guard<std::mutex> g(e->mu_);
@@ -648,7 +471,7 @@ void Engine::loop() {
     {
       std::unique_lock<std::mutex> lk(mu_);
       auto ready = [&] {
-        return stopping_ || !inbox_.empty() || !cancelled_.empty() || !running_.empty() || !waiting_.empty() || !tasks_.empty();
+        return stopping_ || !inbox_.empty() || !cancelled_.empty() || !sched_.idle() || !tasks_.empty();
       };
       if (tp_) {
         if (!cv_.wait_for(lk, std::chrono::seconds(1), ready)) {
@@ -660,7 +483,7 @@ void Engine::loop() {
       } else {
         cv_.wait(lk, ready);
       }
-      if (stopping_ && (!drain_ || (inbox_.empty() && waiting_.empty() && running_.empty()))) break;
+      if (stopping_ && (!drain_ || (inbox_.empty() && sched_.idle()))) break;
     }
     try {
       step();
@@ -699,7 +522,7 @@ void Engine::loop() {
   }
 }
 
-void Engine::start() {
+void ServingEngine::start() {
   TS_CHECK(!thread_.joinable(), "the inference engine is already running");
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -708,7 +531,7 @@ void Engine::start() {
   thread_ = std::thread([this] { loop(); });
 }
 
-void Engine::run() {
+void ServingEngine::run() {
   {
     std::lock_guard<std::mutex> g(mu_);
     TS_CHECK(!thread_.joinable() && !loop_running_, "the inference engine is already running");
@@ -717,7 +540,7 @@ void Engine::run() {
   loop();
 }
 
-void Engine::stop(bool drain, double drain_timeout_s) {
+void ServingEngine::stop(bool drain, double drain_timeout_s) {
   {
     std::unique_lock<std::mutex> lk(mu_);
     stopping_ = true;
@@ -746,19 +569,19 @@ void Engine::stop(bool drain, double drain_timeout_s) {
   followers_stopped_ = true;
 }
 
-bool Engine::accepting() const {
+bool ServingEngine::accepting() const {
   std::lock_guard<std::mutex> g(mu_);
   return !stopping_;
 }
 
-bool Engine::failed() const { return failed_.load(); }
+bool ServingEngine::failed() const { return failed_.load(); }
 
-std::string Engine::failure() const {
+std::string ServingEngine::failure() const {
   std::lock_guard<std::mutex> g(mu_);
   return failure_;
 }
 
-EngineStats Engine::stats() const {
+EngineStats ServingEngine::stats() const {
   std::lock_guard<std::mutex> g(mu_);
   return stats_;
 }
