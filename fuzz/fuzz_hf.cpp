@@ -23,7 +23,7 @@
 #include "fuzz_util.h"
 #include "torchspeed/checkpoint/hf_decoder.h"
 #include "torchspeed/checkpoint/peft.h"
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 
 namespace torchspeed::comm {
 std::chrono::milliseconds default_timeout() { return std::chrono::minutes(10); }

@@ -11,8 +11,7 @@
 #include <string>
 
 #include "fuzz_util.h"
-#include "torchspeed/checkpoint/crc32c.h"
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 
 namespace {
 

@@ -11,7 +11,7 @@
 #include <fstream>
 
 #include "dist_util.h"
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/engine/engine.h"
 
 using torchspeed::config::Config;

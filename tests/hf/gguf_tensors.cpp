@@ -4,7 +4,7 @@
 #include <cstdio>
 
 #include "torchspeed/checkpoint/gguf.h"
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 
 int main(int argc, char** argv) {
   if (argc != 3) {

@@ -21,10 +21,9 @@
 
 #include "test_util.h"
 #include "torchspeed/checkpoint/consolidated.h"
-#include "torchspeed/checkpoint/crc32c.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/checkpoint/hf_gpt2.h"
 #include "torchspeed/checkpoint/reshard.h"
-#include "torchspeed/checkpoint/safetensors.h"
 #include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/zero/partition_layout.h"

@@ -22,7 +22,7 @@
 #include <random>
 
 #include "commands.h"
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/config/config.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/runtime/error.h"

@@ -24,7 +24,7 @@
 
 #include "bench_report.h"
 #include "commands.h"
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/config/config.h"
 #include "torchspeed/models/gpt.h"

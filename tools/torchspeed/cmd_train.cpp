@@ -23,7 +23,7 @@
 
 #include "commands.h"
 #include "torchspeed/checkpoint/consolidated.h"
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/config/json_reader.h"
 #include "torchspeed/data/text.h"
 #include "torchspeed/engine/engine.h"

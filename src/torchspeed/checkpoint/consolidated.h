@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/nn/layer_stack.h"
 
 namespace torchspeed::checkpoint {

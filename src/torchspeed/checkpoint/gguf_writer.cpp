@@ -9,7 +9,7 @@
 #include <cstring>
 #include <map>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::checkpoint::gguf {

@@ -4,7 +4,7 @@
 
 #include <torch/nn/module.h>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/parallel/process_grid.h"
 #include "torchspeed/pipeline/tied_weights.h"
 

@@ -7,7 +7,7 @@
 #include <map>
 #include <set>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/runtime/error.h"
 #include "torchspeed/runtime/file.h"
 

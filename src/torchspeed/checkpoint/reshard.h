@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/zero/partition_layout.h"
 
 namespace torchspeed::checkpoint {

@@ -13,7 +13,7 @@
 #include <optional>
 #include <string>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/comm/communicator.h"
 
 namespace torchspeed::checkpoint {

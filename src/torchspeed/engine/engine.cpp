@@ -13,7 +13,7 @@
 
 #include <unistd.h>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/offload/optimizer_swapper.h"
 #include "torchspeed/offload/param_swapper.h"
 #include "torchspeed/parallel/expert.h"

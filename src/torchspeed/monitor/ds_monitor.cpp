@@ -13,7 +13,7 @@
 #include <filesystem>
 #include <system_error>
 
-#include "torchspeed/checkpoint/crc32c.h"
+#include "torchspeed/io/crc32c.h"
 #include "torchspeed/runtime/error.h"
 
 // Note [DeepSpeed's monitors]
@@ -135,7 +135,7 @@ std::string MonitorTarget::log_dir() const {
 TensorBoardWriter::TensorBoardWriter(std::string log_dir) : log_dir_(std::move(log_dir)) {}
 
 uint32_t TensorBoardWriter::masked_crc32c(const void* data, size_t n) {
-  const uint32_t crc = checkpoint::crc32c(0, data, n);
+  const uint32_t crc = io::crc32c(0, data, n);
   return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 

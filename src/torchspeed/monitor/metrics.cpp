@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/io/safetensors.h"
 #include "torchspeed/runtime/error.h"
 
 namespace torchspeed::monitor {
@@ -136,7 +136,7 @@ void write_loss_svg(const std::string& path, const std::vector<StepMetrics>& h,
     << "<text x='" << W - R - 170 << "' y='" << T + 30 << "' fill='#d62728'>validation loss</text>\n";
   if (baseline) o << "<text x='" << W - R - 170 << "' y='" << T + 46 << "' fill='gray'>bigram baseline</text>\n";
   o << "</svg>\n";
-  checkpoint::write_file_atomic(path, o.str());
+  io::write_file_atomic(path, o.str());
 }
 
 Progress::Progress(int64_t total, int64_t interval, int64_t first_step)

@@ -1,5 +1,5 @@
 // safetensors encoding and decoding (streamed, checksummed), and atomic file replacement.
-#include "torchspeed/checkpoint/safetensors.h"
+#include "torchspeed/io/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
@@ -13,10 +13,10 @@
 #include <cstring>
 #include <filesystem>
 
-#include "torchspeed/checkpoint/crc32c.h"
+#include "torchspeed/io/crc32c.h"
 #include "torchspeed/runtime/error.h"
 
-namespace torchspeed::checkpoint {
+namespace torchspeed::io {
 namespace {
 
 constexpr size_t kChunk = size_t{4} << 20;  // checksum a chunk while it is still in cache
@@ -458,4 +458,4 @@ at::Tensor SafetensorsReader::tensor(const std::string& name) const {
   return t;
 }
 
-}  // namespace torchspeed::checkpoint
+}  // namespace torchspeed::io

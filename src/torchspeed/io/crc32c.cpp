@@ -1,5 +1,5 @@
 // CRC-32C: hardware (SSE4.2) and table implementations, chosen once at run time.
-#include "torchspeed/checkpoint/crc32c.h"
+#include "torchspeed/io/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -8,7 +8,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace torchspeed::checkpoint {
+namespace torchspeed::io {
 namespace {
 
 constexpr uint32_t kPoly = 0x82F63B78u;  // reflected Castagnoli polynomial
@@ -97,4 +97,4 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
   return mult_mod_p(p, crc_a) ^ crc_b;
 }
 
-}  // namespace torchspeed::checkpoint
+}  // namespace torchspeed::io

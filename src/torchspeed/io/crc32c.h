@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace torchspeed::checkpoint {
+namespace torchspeed::io {
 
 // Extends `crc` (0 for a new stream) with `n` bytes.
 uint32_t crc32c(uint32_t crc, const void* data, size_t n);
@@ -17,4 +17,4 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n);
 // file's checksum without reading it back. O(log len_b).
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
-}  // namespace torchspeed::checkpoint
+}  // namespace torchspeed::io

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-namespace torchspeed::checkpoint {
+namespace torchspeed::io {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
@@ -107,4 +107,4 @@ void check_plain_name(const std::string& name, const std::string& source, const 
 // gigabytes.
 inline constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;
 
-}  // namespace torchspeed::checkpoint
+}  // namespace torchspeed::io
