@@ -227,7 +227,6 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
   auto* cmd = app.add_subcommand("plan", "Predict memory and step time of every training layout on a cluster, and rank them");
   struct Opts {
     std::string cluster, config, layout, json, out, hostfile;
-    bool worker = false;
     plan::ModelSpec model;
     bool calibrate = false;
     plan::TrainingSpec training;
@@ -260,7 +259,6 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
   cmd->add_option("-n,--num-ranks", o->ranks, "--calibrate: ranks (devices) per node x nodes to measure communication with")->check(CLI::PositiveNumber);
   cmd->add_option("--hostfile", o->hostfile, "--calibrate: hosts to measure the inter-node link across");
   cmd->add_option("--max-micro", o->max_micro, "--calibrate: the largest micro-batch to measure (powers of two up to it)")->check(CLI::PositiveNumber);
-  cmd->add_flag("--calibrate-worker", o->worker, "(internal) --calibrate's ranks");
   return [o, cmd, &inv]() {
     plan::ModelSpec& m = o->model;
     // Flags given on the command line win over the config's values.
@@ -322,17 +320,17 @@ Runner add_plan(CLI::App& app, const Invocation& inv) {
     TS_CHECK(m.hidden % m.heads == 0, "--hidden ", m.hidden, " is not a multiple of --heads ", m.heads);
 
     // Options of --calibrate alone, and of the plan alone: refused where they would do nothing.
-    if (!o->calibrate && !o->worker) {
+    if (!o->calibrate) {
       for (const char* f : {"--out", "-n", "--hostfile", "--max-micro"})
         TS_CHECK(cmd->count(f) == 0, "plan: ", f, " belongs to --calibrate");
     } else {
       for (const char* f : {"--cluster", "--layout", "--json", "--top", "--batch", "--nodes", "--devices-per-node", "--memory"})
         TS_CHECK(cmd->count(f) == 0, "plan --calibrate: ", f, " does not apply (it measures this machine)");
     }
-    if (o->calibrate || o->worker) {
+    if (o->calibrate) {
       TS_CHECK(!o->out.empty(), "--calibrate needs --out FILE");
       CalibrationRequest q{m, o->training.bf16, o->max_micro};
-      if (o->worker || launcher::under_launcher()) return calibrate_worker(q, o->out);
+      if (launcher::under_launcher()) return calibrate_worker(q, o->out);
       const int ranks = o->ranks > 0 ? o->ranks : 1;
       if (ranks == 1 && o->hostfile.empty()) return calibrate_worker(q, o->out);
       // Note [Relaunching a command]: the ranks run this command again and, under the launcher,
