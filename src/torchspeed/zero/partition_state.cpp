@@ -136,9 +136,7 @@ void ZeroOptimizer::import_from(const PartitionReader& read, const std::vector<b
     }
   }
   step_count_ = steps;
-  if (onebit_) onebit_->reset_errors();  // not checkpointed, as in DeepSpeed
-  zo_ = ZeroOneSchedule();                // nor 0/1 Adam's schedules and accumulator
-  if (zo_u_.defined()) zo_u_.zero_();
+  optimizer_->restart();  // what checkpoints do not keep (compression errors, schedules)
   before_import();
   if (!has_master_) {  // fp32: each unit's masters are read straight into its parameters
     for (auto& up : units_) {
@@ -191,11 +189,7 @@ PartitionLayout ZeroOptimizer::layout() const {
   return l;
 }
 
-std::vector<std::string> ZeroOptimizer::state_kinds() const {
-  if (opt_.type == optim::OptimizerType::kSGD) return {"momentum"};
-  if (opt_.type == optim::OptimizerType::kOneBitLamb) return {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"};
-  return {"exp_avg", "exp_avg_sq"};
-}
+std::vector<std::string> ZeroOptimizer::state_kinds() const { return optimizer_->state_kinds(); }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> ZeroOptimizer::param_shapes() const {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;

@@ -146,13 +146,12 @@ std::vector<std::vector<NamedParam>> units_by_layer(std::vector<NamedParam> para
 
 ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptions options, OptimizerSpec opt,
                              bool sharded)
-    : dp_(std::move(dp)), options_(std::move(options)), opt_(std::move(opt)), strategy_(strategy), sharded_(sharded) {
+    : dp_(std::move(dp)), options_(std::move(options)), strategy_(strategy), sharded_(sharded) {
   TS_CHECK(dp_, "ZeroOptimizer needs a data-parallel communicator");
-  const bool one_bit = optim::is_one_bit(opt_.type);
-  TS_CHECK(opt_.type != optim::OptimizerType::kNone,
-           "ZeroOptimizer needs an optimizer: Adam, AdamW, SGD, Lamb, OneBitAdam, ZeroOneAdam or OneBitLamb");
-  TS_CHECK(!one_bit || (strategy == Stage::k0 && !options_.state_store()),
-           "optimizer ", optim::optimizer_name(opt_.type), " needs ZeRO stage 0 without offload (as in DeepSpeed: it compresses the whole "
+  optimizer_ = optim::make_partition_optimizer(std::move(opt), dp_);
+  const char* opt_name = optim::optimizer_name(optimizer_->type());
+  TS_CHECK(!optimizer_->needs_replicated_state() || (strategy == Stage::k0 && !options_.state_store()),
+           "optimizer ", opt_name, " needs ZeRO stage 0 without offload (as in DeepSpeed: it compresses the whole "
            "momentum, which every rank holds)");
   dp_size_ = dp_->size();
   dp_rank_ = dp_->rank();
@@ -162,9 +161,7 @@ ZeroOptimizer::ZeroOptimizer(Stage strategy, comm::CommunicatorPtr dp, ZeroOptio
     TS_CHECK(edp && edp->size() * ep_size_ == dp_size_, "expert parallelism needs the expert-data-parallel group (",
              edp ? edp->size() : 0, " ranks) times the expert-parallel group (", ep_size_, ") to make the data-parallel group (",
              dp_size_, ")");
-    TS_CHECK(opt_.type == optim::OptimizerType::kAdam || opt_.type == optim::OptimizerType::kAdamW ||
-                 opt_.type == optim::OptimizerType::kSGD,
-             "optimizer ", optim::optimizer_name(opt_.type),
+    TS_CHECK(optimizer_->elementwise(), "optimizer ", opt_name,
              " with expert parallelism (model.moe.ep_size ", ep_size_, ") is not implemented: use Adam, AdamW or SGD");
     TS_CHECK(!options_.quantized_gradients() && !options_.quantized_weights() && options_.hpz_partition_size() == 1,
              "ZeRO++ (zero_quantized_gradients, zero_quantized_weights, zero_hpz_partition_size) with expert parallelism "
@@ -195,7 +192,7 @@ ZeroOptimizer::~ZeroOptimizer() {
 }
 
 void ZeroOptimizer::build(std::vector<std::vector<NamedParam>> groups) {
-  const int max_group = static_cast<int>(opt_.groups.size());
+  const int max_group = static_cast<int>(optimizer_->spec().groups.size());
   for (auto& g : groups) {
     auto u = std::make_unique<Unit>();
     u->expert = !g.empty() && g.front().expert && ep_size_ > 1;
@@ -290,14 +287,23 @@ void ZeroOptimizer::make_unit_buffers(Unit& u, at::Tensor& exact) {
 void ZeroOptimizer::open_store() {
   const int64_t sub = options_.sub_group_numel();
   std::vector<PieceRange> ranges;
+  size_t first_slot = 0;  // of the unit's first parameter
   for (size_t ui = 0; ui < units_.size(); ++ui) {
     const Unit& u = *units_[ui];
     for (const auto& seg : u.segments)
       for (int64_t off = 0; off < seg.length; off += sub) {
         const int64_t n = std::min(sub, seg.length - off);
-        pieces_.push_back({ui, seg.begin + off, n, seg.group});
+        detail::Piece pc{ui, seg.begin + off, n, seg.group, {}};
+        const int64_t lo = u.update_begin + pc.begin, hi = lo + n;  // in the unit
+        for (size_t k = 0; k < u.params.size(); ++k) {
+          const auto& p = u.params[k];
+          const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel);
+          if (a < b) pc.tensors.push_back({first_slot + k, a - lo, b - a});
+        }
+        pieces_.push_back(std::move(pc));
         ranges.push_back({u.part_offset + seg.begin + off, n});
       }
+    first_slot += u.params.size();
   }
   kinds_.clear();
   if (has_master_) kinds_.push_back("master");
@@ -496,6 +502,89 @@ at::Tensor ZeroOptimizer::update_dest(Unit& u) {
   return u.persistent ? u.full.narrow(0, u.update_begin, u.part_size) : u.shard_param;
 }
 
+// The partition as the optimizer sees it (Note [Strategy x optimizer] in
+// optim/partition_optimizer.h): the store's pieces in order, each with the unit's gradient, the
+// fp32 values being updated (the separate masters, or the parameters themselves) and, in passes
+// that update, where the strategy wants the new parameters (begin_update / end_update).
+class ZeroOptimizer::StepView final : public optim::PartitionView {
+ public:
+  explicit StepView(ZeroOptimizer& z) : z_(z) {}
+
+  void visit(bool with_grad, bool updates, const std::function<void(const optim::PieceView&)>& fn) override {
+    ZeroOptimizer& z = z_;
+    const size_t km = z.has_master_ ? 1 : 0;  // the optimizer's first kind in kinds_
+    const optim::ParamOut out_kind = z.param_out(/*master_is_param=*/!z.has_master_);
+    size_t cached = SIZE_MAX;
+    at::Tensor grad, dest;
+    auto close = [&] {
+      if (updates && cached != SIZE_MAX) z.end_update(*z.units_[cached], dest);
+    };
+    z.store_->visit(
+        [&](size_t i, float* const* state) {
+          const detail::Piece& pc = z.pieces_[i];
+          Unit& u = *z.units_[pc.unit];
+          if (cached != pc.unit) {
+            close();
+            if (with_grad) grad = z.update_grad(u);
+            if (updates) {
+              dest = z.begin_update(u);  // the whole unit or this rank's shard of it
+            } else if (!z.has_master_) {
+              dest = z.update_dest(u);
+            }
+            cached = pc.unit;
+          }
+          optim::PieceView s;
+          s.offset = u.part_offset + pc.begin;
+          s.length = pc.length;
+          s.group = pc.group;
+          if (with_grad) {
+            ++z.timings_.optimizer_sub_groups;
+            s.grad = static_cast<const char*>(grad.data_ptr()) + pc.begin * static_cast<int64_t>(grad.element_size());
+            s.grad_dtype = grad.scalar_type();
+          }
+          s.param = z.has_master_ ? state[0] : dest.data_ptr<float>() + pc.begin;
+          if (updates && z.has_master_) {
+            s.out = static_cast<char*>(dest.data_ptr()) + pc.begin * static_cast<int64_t>(dest.element_size());
+            s.out_kind = out_kind;
+          }
+          s.state = state + km;
+          s.tensors = &pc.tensors;
+          fn(s);
+        },
+        /*read=*/true, /*write=*/true);
+    close();
+  }
+  int64_t numel() const override { return z_.part_numel_; }
+  size_t num_tensors() const override {
+    size_t n = 0;
+    for (const auto& u : z_.units_) n += u->params.size();
+    return n;
+  }
+  at::Tensor resident_state(size_t kind) override { return z_.store_->resident((z_.has_master_ ? 1 : 0) + kind); }
+  void sum_tensor_stats(std::vector<double>& values) override {
+    // Sharded strategies cut tensors across the data-parallel group; stage 0 ranks hold them whole.
+    if (!z_.sharded_ || z_.dp_size_ == 1 || values.empty()) return;
+    at::Tensor t = at::from_blob(values.data(), {static_cast<int64_t>(values.size())}, at::kDouble);
+    z_.dp_->all_reduce(t);
+  }
+
+ private:
+  ZeroOptimizer& z_;
+};
+
+std::vector<std::string> ZeroOptimizer::tensor_names() const {
+  std::vector<std::string> names;
+  for (const auto& u : units_)
+    for (const auto& p : u->params) names.push_back(p.name);
+  return names;
+}
+
+nlohmann::json ZeroOptimizer::export_scalars() const { return optimizer_->export_scalars(tensor_names()); }
+
+void ZeroOptimizer::import_scalars(const nlohmann::json& scalars) {
+  optimizer_->import_scalars(scalars, tensor_names(), step_count_);
+}
+
 StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, std::optional<double> beta1) {
   auto t0 = Clock::now();
   wait_reductions();
@@ -541,17 +630,8 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   }
   const float grad_scale = static_cast<float>(clip_coef / loss_scale);
   ++step_count_;
-  if (opt_.type == optim::OptimizerType::kLamb) {
-    lamb_update(grad_scale, lr);
-  } else if (opt_.type == optim::OptimizerType::kOneBitAdam && step_count_ > opt_.freeze_step) {
-    onebit_update(grad_scale, lr);
-  } else if (opt_.type == optim::OptimizerType::kZeroOneAdam) {
-    zero_one_update(grad_scale, lr, beta1);
-  } else if (opt_.type == optim::OptimizerType::kOneBitLamb) {
-    onebit_lamb_update(grad_scale, lr);
-  } else {
-    elementwise_update(grad_scale, lr, beta1);
-  }
+  StepView view(*this);
+  optimizer_->step(view, step_count_, grad_scale, lr, beta1);
   timings_.optimizer_s += seconds_since(t1);
 
   auto t2 = Clock::now();
@@ -559,62 +639,6 @@ StepResult ZeroOptimizer::step(double loss_scale, double clip_norm, double lr, s
   timings_.allgather_s += seconds_since(t2);
   zero_grad();
   return result;
-}
-
-bool ZeroOptimizer::reduces_next_step() const {
-  if (opt_.type == optim::OptimizerType::kOneBitAdam || opt_.type == optim::OptimizerType::kOneBitLamb) return step_count_ < opt_.freeze_step;
-  if (opt_.type == optim::OptimizerType::kZeroOneAdam) return zero_one_reduces(step_count_ + 1);
-  return true;
-}
-
-ZeroOptimizer::GroupHyper ZeroOptimizer::group_hyper(int group, double lr, double base_lr, double weight_decay) const {
-  const ParamGroupOptions* g = group > 0 ? &opt_.groups[static_cast<size_t>(group - 1)] : nullptr;
-  return {g && g->lr && base_lr > 0.0 ? lr * (*g->lr / base_lr) : lr,
-          g && g->weight_decay ? *g->weight_decay : weight_decay};
-}
-
-void ZeroOptimizer::elementwise_update(float grad_scale, double lr, std::optional<double> beta1) {
-  const optim::ParamOut out_kind = param_out(/*master_is_param=*/!has_master_);
-  const double base_lr = opt_.type == optim::OptimizerType::kSGD ? opt_.sgd.lr : opt_.adam.lr;
-  const size_t km = has_master_ ? 1 : 0;  // index of the first moment in kinds_
-  size_t cached = SIZE_MAX;
-  at::Tensor grad, dest;
-  store_->visit(
-      [&](size_t i, float* const* state) {
-        const detail::Piece& s = pieces_[i];
-        Unit& u = *units_[s.unit];
-        if (cached != s.unit) {
-          if (cached != SIZE_MAX) end_update(*units_[cached], dest);
-          grad = update_grad(u);
-          dest = begin_update(u);  // the whole unit or this rank's shard of it
-          cached = s.unit;
-        }
-        ++timings_.optimizer_sub_groups;
-        float* p = has_master_ ? state[0] : dest.data_ptr<float>() + s.begin;
-        const void* gr = static_cast<const char*>(grad.data_ptr()) + s.begin * static_cast<int64_t>(grad.element_size());
-        float* m = state[km];
-        void* out = has_master_ ? static_cast<char*>(dest.data_ptr()) + s.begin * static_cast<int64_t>(dest.element_size())
-                                : nullptr;
-        if (opt_.type == optim::OptimizerType::kSGD) {
-          optim::SgdHyper h = opt_.sgd;
-          const GroupHyper g = group_hyper(s.group, lr, base_lr, h.weight_decay);
-          h.lr = g.lr;
-          h.weight_decay = g.weight_decay;
-          h.first_step = step_count_ == 1;
-          optim::sgd_step(p, gr, grad.scalar_type(), grad_scale, h.momentum != 0.0 ? m : nullptr, s.length, h, out,
-                          out_kind);
-        } else {
-          optim::AdamHyper h = opt_.adam;
-          const GroupHyper g = group_hyper(s.group, lr, base_lr, h.weight_decay);
-          h.lr = g.lr;
-          h.weight_decay = g.weight_decay;
-          if (beta1) h.beta1 = *beta1;
-          h.step = step_count_;
-          optim::adam_step(p, gr, grad.scalar_type(), grad_scale, m, state[km + 1], s.length, h, out, out_kind);
-        }
-      },
-      /*read=*/true, /*write=*/true);
-  if (cached != SIZE_MAX) end_update(*units_[cached], dest);
 }
 
 void ZeroOptimizer::gather_updated() {

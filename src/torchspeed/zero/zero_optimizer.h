@@ -1,8 +1,10 @@
 // ZeroOptimizer: data-parallel training state of one model replica across the DP group —
 // parameters as views into per-unit flat buffers, gradient reduction in buckets during backward,
-// partitioning of master weights, optimizer state, gradients and parameters, and the fused
-// optimizer step. One class per ZeRO strategy behind this interface (Note [ZeRO strategies] in
-// zero_optimizer.cpp); make_zero_optimizer() picks it from the stage.
+// partitioning of master weights, optimizer state, gradients and parameters, and the optimizer
+// step over this rank's partition. One class per ZeRO strategy behind this interface (Note [ZeRO
+// strategies] in zero_optimizer.cpp); make_zero_optimizer() picks it from the stage. Which
+// optimizer runs is the other axis: an optim::PartitionOptimizer that the strategy shows its
+// partition to (Note [Strategy x optimizer] in optim/partition_optimizer.h).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -21,8 +23,7 @@
 
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/comm/compressed.h"
-#include "torchspeed/optim/fused_optimizers.h"
-#include "torchspeed/optim/optimizer_type.h"
+#include "torchspeed/optim/partition_optimizer.h"
 #include "torchspeed/precision/loss_scaler.h"
 #include "torchspeed/zero/partition_layout.h"
 #include "torchspeed/zero/partition_store.h"
@@ -101,31 +102,9 @@ struct ZeroOptions {
   TORCH_ARG(ShardStorePtr, param_store) = nullptr;
 };
 
-// Hyperparameters of one parameter group; unset fields take the optimizer's own.
-struct ParamGroupOptions {
-  std::optional<double> lr;            // scheduled lr x (this lr / the optimizer's lr)
-  std::optional<double> weight_decay;
-};
-
-struct OptimizerSpec {
-  optim::OptimizerType type = optim::OptimizerType::kAdamW;
-  optim::AdamHyper adam;
-  optim::SgdHyper sgd;
-  optim::LambHyper lamb;
-  // OneBitAdam, OneBitLamb: optimizer steps of plain Adam / Lamb (no bias correction) on averaged
-  // gradients before the momentum is averaged by the 1-bit all-reduce instead (freeze_step).
-  int64_t freeze_step = 100000;
-  // ZeroOneAdam (Note [0/1 Adam]).
-  struct ZeroOne {
-    int64_t var_freeze_step = 100000, var_update_scaler = 16, local_step_scaler = 32678, local_step_clipper = 16;
-  } zero_one;
-  // OneBitLamb past its warm-up (Note [1-bit Lamb]).
-  struct OneBitLamb {
-    double coeff_beta = 0.9, factor_max = 4.0, factor_min = 0.5, factor_threshold = 0.1;
-  } onebit_lamb;
-  // Groups 1..n (NamedParam::group); group 0 is the optimizer's own hyperparameters.
-  std::vector<ParamGroupOptions> groups;
-};
+// The optimizer algorithm and its hyperparameters (optim/partition_optimizer.h).
+using optim::OptimizerSpec;
+using optim::ParamGroupOptions;
 
 struct NamedParam {
   std::string name;
@@ -308,7 +287,6 @@ class ZeroOptimizer {
 
   comm::CommunicatorPtr dp_;
   ZeroOptions options_;
-  OptimizerSpec opt_;
   Stage strategy_;
   bool sharded_;
   int dp_size_, dp_rank_;
@@ -330,45 +308,15 @@ class ZeroOptimizer {
   // place (kNone) unless the masters are a separate copy (restoring a checkpoint).
   optim::ParamOut param_out(bool master_is_param) const;
   void gather_updated();
-  // Adam, AdamW, SGD (and 1-bit Adam's warm-up): one pass over the partition.
-  void elementwise_update(float grad_scale, double lr, std::optional<double> beta1);
-  // A piece's parameter group: its lr (the scheduled lr scaled by the group's over the
-  // optimizer's) and weight decay (`weight_decay` unless the group sets one).
-  struct GroupHyper {
-    double lr, weight_decay;
-  };
-  GroupHyper group_hyper(int group, double lr, double base_lr, double weight_decay) const;
-  // Lamb's two passes over the partition, its per-tensor norms summed across the data-parallel
-  // group in between (zero/lamb_update.cpp).
-  void lamb_update(float grad_scale, double lr);
-  std::vector<double> lamb_coeffs_;  // the last step's coefficient per tensor (slot order)
-  // p -= lr * coeff * u over the partition with each tensor's lamb_coeffs_ (`first`: each unit's
-  // first slot); Lamb's last pass and 1-bit Lamb's.
-  void lamb_apply_pass(const std::vector<size_t>& first, const std::function<optim::LambHyper(const detail::Piece&)>& hyper);
-  // 1-bit Lamb (zero/lamb_update.cpp, Note [1-bit Lamb]) and its per-tensor scalars.
-  void onebit_lamb_update(float grad_scale, double lr);
-  struct OneBitLambState {
-    std::vector<double> coeff_freeze, last_factor, scaling;  // scaling NaN: not yet fixed
-  } ob_;
-  // 1-bit Adam past its warm-up: local momentum, its 1-bit average, the update with the frozen
-  // variance (zero/onebit_update.cpp).
-  void onebit_update(float grad_scale, double lr);
-  std::unique_ptr<comm::OneBitAllReduce> onebit_;
+  // The partition as optimizer_ sees it (zero_optimizer.cpp).
+  class StepView;
+  std::unique_ptr<optim::PartitionOptimizer> optimizer_;
   std::unique_ptr<comm::QuantizedReduceScatter> qgz_;  // options_.quantized_gradients()
   // Whether backward reduces the gradients of step step_count_ + 1 (the 1-bit optimizers leave
   // each rank's own gradient on their compressed steps).
-  bool reduces_next_step() const;
-  // 0/1 Adam (zero/zoadam_update.cpp, Note [0/1 Adam]): whether step t reduces its gradients,
-  // the step, and the schedules and local-step accumulator, which checkpoints do not keep.
-  bool zero_one_reduces(int64_t t) const;
-  void zero_one_update(float grad_scale, double lr, std::optional<double> beta1);
-  struct ZeroOneSchedule {
-    int64_t var_interval = 1, var_counter = 0, local_interval = 1, local_counter = 0;
-    double lrs = 0.0;  // the scheduled lrs summed since the last synchronisation
-    bool have_p_sync = false;
-  } zo_;
-  at::Tensor zo_u_;       // fp32 [part]: the compressed gradient, then the local updates' sum
-  at::Tensor zo_p_sync_;  // fp32 [part]: the parameters of the last synchronisation
+  bool reduces_next_step() const { return optimizer_->reduces_gradients(step_count_ + 1); }
+  // Every parameter's name in slot order (optim::TensorRange::slot).
+  std::vector<std::string> tensor_names() const;
 
   // import_partition's work once the kinds marked in `have` are already in the resident store.
   void import_from(const PartitionReader& read, const std::vector<bool>& have, int64_t steps);

@@ -36,6 +36,7 @@ struct Piece {
   size_t unit;
   int64_t begin, length;  // relative to the unit's update range
   int group;
+  std::vector<optim::TensorRange> tensors;  // the parameters it covers (per-tensor optimizers)
 };
 
 struct Unit {
