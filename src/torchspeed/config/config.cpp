@@ -11,13 +11,12 @@
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/config/json_reader.h"
 #include "torchspeed/config/detail/sections.h"
+#include "torchspeed/config/keys.h"
 
 namespace torchspeed::config {
 using detail::no_effect;
 using detail::only;
 namespace {
-
-constexpr int64_t kMax32 = INT32_MAX;
 
 // DeepSpeed features torchspeed does not have. A section that is absent or disabled is accepted
 // with a warning; one that is enabled is an error naming it.
@@ -34,23 +33,6 @@ const std::vector<std::string> kIgnoredFlags = {
     "steps_per_print_all_ranks", "cuda_visible_devices"};
 // Sections validated by the components that own them.
 const std::vector<std::string> kOwnedSections = {"model", "data", "train", "lora"};
-
-void read_fp16(JsonReader& r, FP16Config& c) {
-  c.enabled = r.get_bool("enabled", false);
-  c.auto_cast = r.get_bool("auto_cast", false);
-  c.loss_scale = r.get_double("loss_scale", 0.0, 0.0);
-  c.initial_scale_power = static_cast<int>(r.get_int("initial_scale_power", 16, 0, 64));
-  c.loss_scale_window = static_cast<int>(r.get_int("loss_scale_window", 1000, 1, kMax32));
-  c.hysteresis = static_cast<int>(r.get_int("hysteresis", 2, 1, kMax32));
-  c.consecutive_hysteresis = r.get_bool("consecutive_hysteresis", false);
-  c.min_loss_scale = r.get_double("min_loss_scale", 1.0, 0.0);
-  r.accept("fp16_master_weights_and_grads");
-  if (r.get_bool("fp16_master_weights_and_grads", false)) {
-    r.error("fp16_master_weights_and_grads",
-            "torchspeed keeps fp32 master weights; this DeepSpeed option is not supported");
-  }
-  r.finish();
-}
 
 void read_autotuning(JsonReader& r, AutotuningConfig& c) {
   c.enabled = r.get_bool("enabled", false);
@@ -100,73 +82,6 @@ void read_autotuning(JsonReader& r, AutotuningConfig& c) {
   // DeepSpeed's tuner estimates memory from them; ours runs each experiment instead.
   no_effect(r, "model_info", "torchspeed autotune measures each experiment instead of estimating from the model's size");
   no_effect(r, "model_info_path", "torchspeed autotune does not profile model information");
-  r.finish();
-}
-
-// DeepSpeed's activation_checkpointing section configures how deepspeed.checkpointing keeps
-// a checkpointed segment's input. torchspeed keeps it as a plain tensor in CPU memory
-// (nn/checkpoint.h; pipeline.activation_checkpoint_interval chooses the segments).
-void read_activation_checkpointing(JsonReader& r, ActivationCheckpointingConfig& c) {
-  c.partition_activations = r.get_bool("partition_activations", false);
-  // Memory-saving variants with the same gradients: warned, not refused (real Megatron
-  // configs set them).
-  if (c.partition_activations) {
-    r.warn("partition_activations", "not available in torchspeed: each tensor-parallel rank keeps whole "
-                                    "checkpointed activations (same gradients, more memory)");
-  }
-  c.contiguous_memory_optimization = r.get_bool("contiguous_memory_optimization", false);
-  if (c.contiguous_memory_optimization) {
-    r.warn("contiguous_memory_optimization", "not available in torchspeed: checkpointed activations are "
-                                             "separate tensors (same gradients)");
-  }
-  // Checkpoints already live in CPU memory: cpu_checkpointing (which DeepSpeed applies to
-  // partitioned activations) holds either way.
-  c.cpu_checkpointing = r.get_bool("cpu_checkpointing", false);
-  c.number_checkpoints = r.get_opt_int("number_checkpoints", 1);
-  if (c.number_checkpoints) {
-    r.warn("number_checkpoints", "sizes DeepSpeed's contiguous buffer, which torchspeed does not have; ignored");
-  }
-  // A device synchronisation in DeepSpeed; CPU execution is synchronous already.
-  c.synchronize_checkpoint_boundary = r.get_bool("synchronize_checkpoint_boundary", false);
-  c.profile = r.get_bool("profile", false);
-  if (c.profile) r.warn("profile", "torchspeed has no per-checkpoint timer; `torchspeed train --profile` times ops");
-  r.finish();
-}
-
-void read_pipeline(JsonReader& r, PipelineConfig& c) {
-  const auto* stages = r.raw("stages");
-  if (stages && stages->is_string()) {
-    r.error("stages", stages->get<std::string>() == "auto"
-                          ? "\"auto\" is not available in torchspeed: give the number of pipeline stages"
-                          : "must be an integer");
-  } else {
-    c.stages = static_cast<int>(r.get_int("stages", 1, 1, 4096));
-  }
-  const auto* pm = r.raw("partition_method") ? r.raw("partition_method") : r.raw("partition");
-  if (pm) {
-    std::string m = pm->is_string() ? pm->get<std::string>() : "";
-    if (m == "best") m = "parameters";  // DeepSpeed's pipeline-section spelling
-    if (m == "uniform" || m == "parameters" || m.rfind("type:", 0) == 0) {
-      c.partition_method = m;
-    } else {
-      r.error(r.has("partition_method") ? "partition_method" : "partition",
-              "must be \"uniform\", \"parameters\" or \"type:REGEX\"");
-    }
-  }
-  c.activation_checkpoint_interval =
-      static_cast<int>(r.get_int("activation_checkpoint_interval", 0, 0, kMax32));
-  c.schedule = r.get_string("schedule", "1f1b", {"1f1b", "gpipe"});
-  for (const char* k : {"seed_layers", "pipe_partitioned", "grad_partitioned",
-                        "use_reentrant"}) {
-    r.accept(k);
-  }
-  r.finish();
-}
-
-void read_monitor(JsonReader& r, MonitorConfig& c) {
-  c.enabled = r.get_bool("enabled", false);
-  c.output_path = r.get_string("output_path", "");
-  c.job_name = r.get_string("job_name", "DeepSpeedJobName");
   r.finish();
 }
 
@@ -283,36 +198,17 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
   // The deadline's default is the communicator's (TORCHSPEED_COMM_TIMEOUT_S, else 600 s): a job
   // whose config leaves it out honours the environment like every other communicator does.
   c.torchspeed.comm_timeout_s = static_cast<double>(comm::default_timeout().count()) / 1000.0;
-  if (auto t = r.child("torchspeed")) {
-    c.torchspeed.unknown_keys = t->get_string("unknown_keys", "typos", {"typos", "error", "warn"});
-    diag.unknown_keys = c.torchspeed.unknown_keys == "error"  ? Diagnostics::UnknownKeys::kError
-                        : c.torchspeed.unknown_keys == "warn" ? Diagnostics::UnknownKeys::kWarn
-                                                              : Diagnostics::UnknownKeys::kTypos;
-    c.torchspeed.intra_op_threads = static_cast<int>(t->get_int("intra_op_threads", 0, 0, 4096));
-    c.torchspeed.comm_timeout_s = t->get_double("comm_timeout_s", c.torchspeed.comm_timeout_s, 1e-3);
-    c.torchspeed.comm_chunk_bytes = t->get_int("comm_chunk_bytes", 1 << 20, 4096, int64_t{1} << 30);
-    c.torchspeed.tiled_mlp = t->get_int("tiled_mlp", 0, 0, int64_t{1} << 24);
-    c.torchspeed.tiled_loss = t->get_int("tiled_loss", 0, 0, int64_t{1} << 24);
-    t->finish();
-  }
+  if (auto t = r.child("torchspeed")) detail::read_torchspeed(*t, c.torchspeed, diag);
 
   // Bounded so that micro x gas x dp (dp < 2^31) cannot overflow int64 in resolve_batch.
   constexpr int64_t kMaxBatch = int64_t{1} << 31;
   auto train = r.get_opt_int("train_batch_size", 1, kMaxBatch);
   auto micro = r.get_opt_int("train_micro_batch_size_per_gpu", 1, kMaxBatch);
   auto gas = r.get_opt_int("gradient_accumulation_steps", 1, kMaxBatch);
-  c.steps_per_print = static_cast<int>(r.get_int("steps_per_print", 10, 1, kMax32));
-  c.wall_clock_breakdown = r.get_bool("wall_clock_breakdown", false);
-  c.prescale_gradients = r.get_bool("prescale_gradients", false);
-  c.gradient_predivide_factor = r.get_double("gradient_predivide_factor", 1.0, 1e-12);
-  c.gradient_clipping = r.get_double("gradient_clipping", 0.0, 0.0);
-  c.communication_data_type = r.get_string("communication_data_type", "", {"fp32", "fp16", "bf16", "bfp16"});
+  read_keys(r, c, detail::root_keys());
   if (c.communication_data_type == "bfp16") c.communication_data_type = "bf16";
-  c.seed = r.get_int("seed", 1234, 0);
-  c.sp = static_cast<int>(r.get_int("sequence_parallel_size", 1, 1, kMax32));
-  c.memory_breakdown = r.get_bool("memory_breakdown", false);
 
-  if (auto s = r.child("fp16")) read_fp16(*s, c.fp16);
+  if (auto s = r.child("fp16")) detail::read_fp16(*s, c.fp16);
   for (const char* key : {"bf16", "bfloat16"}) {
     if (auto s = r.child(key)) {
       c.bf16.enabled = s->get_bool("enabled", false);
@@ -355,28 +251,17 @@ Config Config::parse(const nlohmann::json& source, const WorldShape& world, cons
   if (auto s = r.child("quantize_training")) detail::read_quantize_training(*s, c.compression);
   if (auto s = r.child("data_efficiency")) detail::read_data_efficiency(*s, c.random_ltd);
   if (const auto* z = r.raw("zero_optimization"); z && z->is_object() && z->contains("stage")) c.autotuning.zero_stage_given = true;
-  if (auto s = r.child("activation_checkpointing")) read_activation_checkpointing(*s, c.activation_checkpointing);
-  if (auto s = r.child("pipeline")) read_pipeline(*s, c.pipeline);
+  if (auto s = r.child("activation_checkpointing")) detail::read_activation_checkpointing(*s, c.activation_checkpointing);
+  if (auto s = r.child("pipeline")) detail::read_pipeline(*s, c.pipeline);
   if (auto s = r.child("tensor_parallel")) {
     auto a = s->get_opt_int("tp_size", 1, 4096);
     auto b = s->get_opt_int("autotp_size", 1, 4096);
     c.tensor_parallel.tp_size = static_cast<int>(a ? *a : b ? *b : 1);
     s->finish();
   }
-  if (auto s = r.child("checkpoint")) {
-    c.checkpoint.tag_validation = s->get_string("tag_validation", "Warn", {"Ignore", "Warn", "Fail"});
-    c.checkpoint.load_universal = s->get_bool("load_universal", false);
-    c.checkpoint.use_node_local_storage = s->get_bool("use_node_local_storage", false);
-    if (c.checkpoint.use_node_local_storage) {
-      s->error("use_node_local_storage", "torchspeed checkpoints need one folder every rank can read "
-                                         "(a shared filesystem); node-local checkpoints are not available");
-    }
-    c.checkpoint.keep_last = static_cast<int>(s->get_int("keep_last", 0, 0, kMax32));
-    s->accept("parallel_write");
-    s->finish();
-  }
-  if (auto s = r.child("csv_monitor")) read_monitor(*s, c.csv_monitor);
-  if (auto s = r.child("tensorboard")) read_monitor(*s, c.tensorboard);
+  if (auto s = r.child("checkpoint")) detail::read_checkpoint(*s, c.checkpoint);
+  if (auto s = r.child("csv_monitor")) detail::read_monitor(*s, c.csv_monitor);
+  if (auto s = r.child("tensorboard")) detail::read_monitor(*s, c.tensorboard);
 
   for (const auto& name : kForeignSections) {
     const auto* v = r.raw(name);

@@ -341,6 +341,10 @@ struct Config {
   nlohmann::json to_json() const;
 };
 
+// The key reference of docs/config.md: every declared key with its default, values, treatment
+// and meaning, one Markdown table per section (`torchspeed config --keys`).
+std::string key_reference();
+
 // Reads a JSON file; a syntax error names the file, byte offset, line and column.
 nlohmann::json read_json_file(const std::string& path);
 

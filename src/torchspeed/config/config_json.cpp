@@ -3,46 +3,25 @@
 #include "torchspeed/config/config.h"
 #include "torchspeed/config/detail/sections.h"
 #include "torchspeed/config/json_reader.h"
+#include "torchspeed/config/keys.h"
 
 namespace torchspeed::config {
 
 nlohmann::json Config::to_json() const {
   using nlohmann::json;
+  // The sections of declared keys come from their tables (Note [Config keys declared once]).
   auto offload = [](const OffloadConfig& o, bool optimizer) {
-    json j{{"device", offload_device_name(o.device)}, {"nvme_path", o.nvme_path}, {"pin_memory", o.pin_memory},
-           {"buffer_count", o.buffer_count}};
-    if (optimizer) {
-      j["ratio"] = o.ratio;
-      j["pipeline_read"] = o.pipeline_read;
-      j["pipeline_write"] = o.pipeline_write;
-      j["fast_init"] = o.fast_init;
-    } else {
-      j["buffer_size"] = o.buffer_size;
-      j["max_in_cpu"] = o.max_in_cpu;
-    }
+    json j = keys_to_json(o, detail::offload_keys(optimizer));
+    j["device"] = offload_device_name(o.device);
     return j;
   };
-  auto monitor = [](const MonitorConfig& m) {
-    return json{{"enabled", m.enabled}, {"output_path", m.output_path}, {"job_name", m.job_name}};
-  };
-  json j;
+  json j = keys_to_json(*this, detail::root_keys());
   j["train_batch_size"] = train_batch_size;
   j["train_micro_batch_size_per_gpu"] = train_micro_batch_size_per_gpu;
   j["gradient_accumulation_steps"] = gradient_accumulation_steps;
-  j["steps_per_print"] = steps_per_print;
-  j["wall_clock_breakdown"] = wall_clock_breakdown;
-  j["prescale_gradients"] = prescale_gradients;
-  j["gradient_predivide_factor"] = gradient_predivide_factor;
-  j["gradient_clipping"] = gradient_clipping;
   j["communication_data_type"] = communication_data_type.empty() ? json(nullptr) : json(communication_data_type);
   j["data_types"] = {{"grad_accum_dtype", grad_accum_dtype.empty() ? "fp32" : grad_accum_dtype}};
-  j["seed"] = seed;
-  j["memory_breakdown"] = memory_breakdown;
-  j["fp16"] = {{"enabled", fp16.enabled}, {"auto_cast", fp16.auto_cast},
-               {"loss_scale", fp16.loss_scale}, {"initial_scale_power", fp16.initial_scale_power},
-               {"loss_scale_window", fp16.loss_scale_window}, {"hysteresis", fp16.hysteresis},
-               {"consecutive_hysteresis", fp16.consecutive_hysteresis},
-               {"min_loss_scale", fp16.min_loss_scale}};
+  j["fp16"] = keys_to_json(fp16, detail::fp16_keys());
   j["bf16"] = {{"enabled", bf16.enabled}};
   if (optimizer.type != optim::OptimizerType::kNone) {
     json p = {{"lr", optimizer.lr}, {"weight_decay", optimizer.weight_decay}};
@@ -87,58 +66,35 @@ nlohmann::json Config::to_json() const {
     if (scheduler.type.rfind("Warmup", 0) == 0) p["warmup_type"] = scheduler.warmup_type;
     j["scheduler"] = {{"type", scheduler.type}, {"params", p}};
   }
-  const ZeroConfig& z = zero;
-  j["zero_optimization"] = {
-      {"stage", z.stage}, {"contiguous_gradients", z.contiguous_gradients},
-      {"reduce_scatter", z.reduce_scatter}, {"reduce_bucket_size", z.reduce_bucket_size},
-      {"zero_quantized_gradients", z.quantized_gradients},
-      {"zero_hpz_partition_size", z.hpz_partition_size},
-      {"zero_quantized_weights", z.quantized_weights},
-      {"allgather_partitions", z.allgather_partitions},
-      {"allgather_bucket_size", z.allgather_bucket_size}, {"overlap_comm", z.overlap_comm},
-      {"load_from_fp32_weights", z.load_from_fp32_weights},
-      {"elastic_checkpoint", z.elastic_checkpoint},
-      {"offload_optimizer", offload(z.offload_optimizer, true)},
-      {"offload_param", offload(z.offload_param, false)}, {"sub_group_size", z.sub_group_size},
-      {"stage3_prefetch_bucket_size", z.prefetch_bucket_size},
-      {"stage3_param_persistence_threshold", z.param_persistence_threshold},
-      {"stage3_model_persistence_threshold", z.model_persistence_threshold},
-      {"stage3_max_live_parameters", z.max_live_parameters},
-      {"stage3_max_reuse_distance", z.max_reuse_distance},
-      {"stage3_gather_16bit_weights_on_model_save", z.gather_16bit_weights_on_model_save},
-      {"round_robin_gradients", z.round_robin_gradients},
-      {"ignore_unused_parameters", z.ignore_unused_parameters}};
+  j["zero_optimization"] = keys_to_json(zero, detail::zero_keys());
+  j["zero_optimization"]["offload_optimizer"] = offload(zero.offload_optimizer, true);
+  j["zero_optimization"]["offload_param"] = offload(zero.offload_param, false);
   const auto& a = activation_checkpointing;
-  j["activation_checkpointing"] = {
-      {"partition_activations", a.partition_activations},
-      {"contiguous_memory_optimization", a.contiguous_memory_optimization},
-      {"cpu_checkpointing", a.cpu_checkpointing},
-      {"number_checkpoints", a.number_checkpoints ? json(*a.number_checkpoints) : json(nullptr)},
-      {"synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary},
-      {"profile", a.profile}};
-  j["pipeline"] = {{"stages", pipeline.stages}, {"partition_method", pipeline.partition_method},
-                   {"activation_checkpoint_interval", pipeline.activation_checkpoint_interval},
-                   {"schedule", pipeline.schedule}};
+  j["activation_checkpointing"] = keys_to_json(a, detail::activation_checkpointing_keys());
+  j["activation_checkpointing"]["number_checkpoints"] = a.number_checkpoints ? json(*a.number_checkpoints) : json(nullptr);
+  j["pipeline"] = keys_to_json(pipeline, detail::pipeline_keys());
   j["tensor_parallel"] = {{"tp_size", tensor_parallel.tp_size}};
-  j["aio"] = {{"block_size", aio.block_size}, {"queue_depth", aio.queue_depth},
-              {"intra_op_parallelism", aio.intra_op_parallelism}, {"single_submit", aio.single_submit},
-              {"overlap_events", aio.overlap_events}};
-  j["checkpoint"] = {{"tag_validation", checkpoint.tag_validation},
-                     {"load_universal", checkpoint.load_universal},
-                     {"use_node_local_storage", checkpoint.use_node_local_storage},
-                     {"keep_last", checkpoint.keep_last}};
-  j["csv_monitor"] = monitor(csv_monitor);
-  j["tensorboard"] = monitor(tensorboard);
-  j["torchspeed"] = {{"unknown_keys", torchspeed.unknown_keys},
-                     {"intra_op_threads", torchspeed.intra_op_threads},
-                     {"comm_timeout_s", torchspeed.comm_timeout_s},
-                     {"comm_chunk_bytes", torchspeed.comm_chunk_bytes},
-                     {"tiled_mlp", torchspeed.tiled_mlp},
-                     {"tiled_loss", torchspeed.tiled_loss}};
-  j["sequence_parallel_size"] = sp;
+  j["aio"] = keys_to_json(aio, detail::aio_keys());
+  j["checkpoint"] = keys_to_json(checkpoint, detail::checkpoint_keys());
+  j["csv_monitor"] = keys_to_json(csv_monitor, detail::monitor_keys());
+  j["tensorboard"] = keys_to_json(tensorboard, detail::monitor_keys());
+  j["torchspeed"] = keys_to_json(torchspeed, detail::torchspeed_keys());
   for (const auto& [k, v] : sections.items()) j[k] = v;
   j["world"] = {{"world_size", world_size}, {"tp", tp}, {"pp", pp}, {"dp", dp}, {"sp", sp}};
   return j;
+}
+
+std::string key_reference() {
+  using detail::offload_defaults;
+  return keys_reference("", detail::root_keys()) + keys_reference("fp16", detail::fp16_keys()) +
+         keys_reference("zero_optimization", detail::zero_keys()) +
+         keys_reference("zero_optimization.offload_optimizer", detail::offload_keys(true), offload_defaults(true)) +
+         keys_reference("zero_optimization.offload_param", detail::offload_keys(false), offload_defaults(false)) +
+         keys_reference("aio", detail::aio_keys()) +
+         keys_reference("activation_checkpointing", detail::activation_checkpointing_keys()) +
+         keys_reference("pipeline", detail::pipeline_keys()) + keys_reference("checkpoint", detail::checkpoint_keys()) +
+         keys_reference("csv_monitor, tensorboard", detail::monitor_keys()) +
+         keys_reference("torchspeed", detail::torchspeed_keys());
 }
 
 }  // namespace torchspeed::config

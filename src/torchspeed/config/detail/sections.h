@@ -4,6 +4,7 @@
 
 #include "torchspeed/config/config.h"
 #include "torchspeed/config/json_reader.h"
+#include "torchspeed/config/keys.h"
 
 namespace torchspeed::config::detail {
 
@@ -28,10 +29,29 @@ inline void no_effect(JsonReader& r, const std::string& key, const std::string& 
 // values] in auto_values.cpp); each replacement is a warning in `diag`.
 void resolve_auto(nlohmann::json& j, const AutoValues& a, Diagnostics& diag);
 
+// The sections of plain keys (plain_sections.cpp): each one's key table and reader.
+const KeyTable<Config>& root_keys();  // the top-level scalars
+const KeyTable<FP16Config>& fp16_keys();
+void read_fp16(JsonReader& r, FP16Config& c);
+const KeyTable<ActivationCheckpointingConfig>& activation_checkpointing_keys();
+void read_activation_checkpointing(JsonReader& r, ActivationCheckpointingConfig& c);
+const KeyTable<PipelineConfig>& pipeline_keys();
+void read_pipeline(JsonReader& r, PipelineConfig& c);
+const KeyTable<CheckpointConfig>& checkpoint_keys();
+void read_checkpoint(JsonReader& r, CheckpointConfig& c);
+const KeyTable<MonitorConfig>& monitor_keys();  // csv_monitor, tensorboard
+void read_monitor(JsonReader& r, MonitorConfig& c);
+const KeyTable<TorchspeedConfig>& torchspeed_keys();
+void read_torchspeed(JsonReader& r, TorchspeedConfig& c, Diagnostics& diag);
+
 // optimizer and scheduler (optimizer_sections.cpp).
 void read_optimizer(JsonReader& r, OptimizerConfig& c);
 void read_scheduler(JsonReader& r, SchedulerConfig& c);
 // zero_optimization with offload_optimizer / offload_param, and aio (zero_section.cpp).
+const KeyTable<ZeroConfig>& zero_keys();
+const KeyTable<OffloadConfig>& offload_keys(bool optimizer);
+OffloadConfig offload_defaults(bool optimizer);
+const KeyTable<AioConfig>& aio_keys();
 void read_zero(JsonReader& r, ZeroConfig& c);
 void read_aio(JsonReader& r, AioConfig& c);
 
