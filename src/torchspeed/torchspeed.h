@@ -4,6 +4,7 @@
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/config/config.h"
 #include "torchspeed/engine/engine.h"
+#include "torchspeed/engine/trainer.h"
 #include "torchspeed/nn/layer_stack.h"
 #include "torchspeed/optim/lr_schedule.h"
 #include "torchspeed/precision/loss_scaler.h"

@@ -27,9 +27,11 @@
 #include "torchspeed/config/json_reader.h"
 #include "torchspeed/data/text.h"
 #include "torchspeed/engine/engine.h"
+#include "torchspeed/engine/trainer.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/models/lora.h"
 #include "torchspeed/monitor/metrics.h"
+#include "torchspeed/monitor/observers.h"
 #include "torchspeed/precision/advice.h"
 #include "torchspeed/runtime/cpu.h"
 #include "torchspeed/runtime/error.h"
@@ -45,6 +47,13 @@ std::atomic<bool> g_stop{false};
 // Ctrl-C / SIGTERM: blocked in every thread (they inherit the mask from the main thread, so
 // OpenMP, oneDNN and MPI threads are never interrupted mid-kernel) and received by one thread
 // with sigwait, which sets the flag the training loop checks after each step.
+// Logs each checkpoint the loop saves (rank 0).
+class LoggedCheckpoints final : public monitor::StepObserver {
+ public:
+  void on_step(const monitor::StepReport&, double) override {}
+  void on_checkpoint(int64_t, const std::string& path) override { log::info0("saved ", path); }
+};
+
 void watch_stop_signals() {
   sigset_t set;
   sigemptyset(&set);
@@ -280,7 +289,6 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
     // A sequence-parallel group's ranks read the same sequences (the engine keeps each rank's shard).
     const int replica = dp->rank() / cfg.sp, replicas = cfg.replicas();
     data::TextLoader loader(corpus.train, seq, micro, replica, replicas, static_cast<uint64_t>(cfg.seed));
-    const int64_t tokens_per_step = cfg.train_batch_size * seq;
 
     // MFU against this machine's measured GEMM rate in the compute dtype, on every rank's cores.
     // The other dtype is measured too: a precision several times slower on this CPU is named.
@@ -347,39 +355,44 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       std::fflush(stdout);
     }
 
-    auto evaluate = [&]() {
-      data::TextLoader val(corpus.val, seq, micro, replica, replicas, 12345);
-      double sum = 0;
-      for (int64_t i = 0; i < ts.eval_batches; ++i) sum += engine->eval_batch(val);  // dp means
-      return sum / static_cast<double>(ts.eval_batches);
-    };
-    // Sharded, exactly resumable training state; at the end also the full model for generate.
+    // The loop (engine/trainer.h): evaluation and checkpoint cadence, resume, the stop agreement.
     const std::string checkpoints = o->out + "/checkpoints";
-    auto save = [&](bool final_model) {
-      const std::string path = engine->save_checkpoint(checkpoints, "", {{"data", loader.state()}});
-      if (rt.is_rank0() && !final_model) log::info0("saved ", path);
-      if (!final_model) return;
+    TrainerOptions topt;
+    topt.steps = ts.steps;
+    topt.eval_interval = ts.eval_interval;
+    topt.log_interval = ts.log_interval;
+    topt.checkpoint_interval = ts.checkpoint_interval;
+    topt.checkpoint_dir = checkpoints;
+    topt.tokens_per_step = cfg.train_batch_size * seq;
+    topt.flops_per_token = flops_per_token(trained);
+    topt.peak_flops = peak;
+    // Stop cleanly on a signal or when OUT/STOP exists (written by the launching CLI on Ctrl-C;
+    // `touch OUT/STOP` works under any launcher): every rank agrees after the step.
+    topt.stop_file = o->out + "/STOP";
+    topt.stop_requested = [] { return g_stop.load(); };
+    Trainer trainer(*engine,
+                    TrainData::of(loader, [&] { return data::TextLoader(corpus.val, seq, micro, replica, replicas, 12345); },
+                                  ts.eval_batches),
+                    topt);
+    // Sharded, exactly resumable training state; at the end also the full model for generate.
+    auto save_model = [&] {
       auto params = engine->master_params();  // collective
-      if (rt.is_rank0()) {
-        nlohmann::json saved = j;
-        saved["model"] = gpt.to_json();
-        if (lora) {
-          // The adapter in PEFT's format (OUT/adapter: PeftModel.from_pretrained and `serve
-          // --lora-modules` read it), and the base with the adapter merged in (OUT/model).
-          const checkpoint::peft::Adapter adapter = models::lora_adapter_of(params, gpt, *lora);
-          checkpoint::peft::save(o->out + "/adapter", adapter, gpt, std::filesystem::absolute(o->init_from).string());
-          params = models::merge_lora(init->params, adapter, gpt);
-        }
-        checkpoint::save_consolidated(o->out + "/model", params, saved, engine->global_step());
+      if (!rt.is_rank0()) return;
+      nlohmann::json saved = j;
+      saved["model"] = gpt.to_json();
+      if (lora) {
+        // The adapter in PEFT's format (OUT/adapter: PeftModel.from_pretrained and `serve
+        // --lora-modules` read it), and the base with the adapter merged in (OUT/model).
+        const checkpoint::peft::Adapter adapter = models::lora_adapter_of(params, gpt, *lora);
+        checkpoint::peft::save(o->out + "/adapter", adapter, gpt, std::filesystem::absolute(o->init_from).string());
+        params = models::merge_lora(init->params, adapter, gpt);
       }
+      checkpoint::save_consolidated(o->out + "/model", params, saved, engine->global_step());
     };
-    int64_t step = 0;
     if (o->resume) {
-      if (auto loaded = engine->load_checkpoint(checkpoints)) {
-        loader.load_state(loaded->client_state.at("data"));
-        step = engine->global_step();
+      if (auto loaded = trainer.resume()) {
         if (rt.is_rank0()) {
-          std::printf("  resumed from %s at step %ld\n", loaded->path.c_str(), static_cast<long>(step));
+          std::printf("  resumed from %s at step %ld\n", loaded->path.c_str(), static_cast<long>(trainer.step()));
           // Another data-parallel size (an elastic restart, Note [Elastic restart]): say how the
           // global batch carries over.
           const nlohmann::json saved = config::read_json_file(loaded->path + "/manifest.json");
@@ -397,70 +410,31 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       }
       std::fflush(stdout);
     }
-
-    std::unique_ptr<monitor::MetricsCsv> csv;
-    std::vector<monitor::StepMetrics> history;
+    // Rank 0 writes metrics.csv (a resumed run keeps its earlier rows) and the progress line; the
+    // periodic checkpoints are logged.
+    std::shared_ptr<monitor::CsvObserver> csv;
     if (rt.is_rank0()) {
-      csv = step > 0 ? std::make_unique<monitor::MetricsCsv>(o->out + "/metrics.csv", step)
-                     : std::make_unique<monitor::MetricsCsv>(o->out + "/metrics.csv");
-      history = csv->previous();
+      csv = std::make_shared<monitor::CsvObserver>(o->out + "/metrics.csv", trainer.step(), ts.log_interval, ts.steps);
+      trainer.add_observer(csv);
+      trainer.add_observer(std::make_shared<monitor::ProgressObserver>(ts.steps, ts.log_interval, trainer.step()));
+      trainer.add_observer(std::make_shared<LoggedCheckpoints>());
     }
-    monitor::Progress progress(ts.steps, ts.log_interval, step);
+    // An autotuning experiment's allocation peak counts its timed steps only.
+    if (counter) {
+      trainer.add_observer(std::make_shared<monitor::StepCallback>([counter, &cfg](const monitor::StepReport& r) {
+        if (r.step == cfg.autotuning.start_profile_step) counter->reset_peak();
+      }));
+    }
     const auto start = std::chrono::steady_clock::now();
-    auto window_start = start;
-    int64_t window_steps = 0;
-    double last_val = std::numeric_limits<double>::quiet_NaN();
-    bool evaluated_last = false;  // the same on every rank (history is rank 0's only)
-    bool interrupted = false;
-    while (step < ts.steps) {
-      const double step_lr = engine->lr();  // the LR this step's update uses
-      const double loss = engine->train_batch(loader);  // mean over micro-batches and dp ranks
-      ++step;
-      ++window_steps;
-      monitor::StepMetrics m;
-      m.step = step;
-      m.samples = step * cfg.train_batch_size;
-      m.loss = loss;
-      m.lr = step_lr;
-      m.loss_scale = engine->loss_scale();
-      m.grad_norm = engine->grad_norm();
-      const auto now = std::chrono::steady_clock::now();
-      const double window_s = std::chrono::duration<double>(now - window_start).count();
-      m.tokens_per_s = tokens_per_step * window_steps / std::max(window_s, 1e-9);
-      m.mfu = flops_per_token(trained) * m.tokens_per_s / peak;
-      evaluated_last = step % ts.eval_interval == 0 || step == ts.steps;
-      if (evaluated_last) {
-        m.val_loss = evaluate();
-        last_val = *m.val_loss;
-      }
-      if (step % ts.log_interval == 0) {
-        window_start = std::chrono::steady_clock::now();
-        window_steps = 0;
-      }
-      if (rt.is_rank0()) {
-        if (step % ts.log_interval == 0 || m.val_loss || step == ts.steps) csv->write(m);
-        history.push_back(m);
-        progress.update(m, std::chrono::duration<double>(now - start).count());
-      }
-      if (counter && step == cfg.autotuning.start_profile_step) counter->reset_peak();
-      if (engine->autotuning_done()) break;  // an autotuning experiment: timed, metrics written
-      if (ts.checkpoint_interval > 0 && step % ts.checkpoint_interval == 0 && step < ts.steps) save(false);
-      // Stop cleanly on a signal or when OUT/STOP exists (written by the launching CLI on Ctrl-C;
-      // `touch OUT/STOP` works under any launcher): every rank agrees after this step.
-      const bool stop_file = rt.is_rank0() && std::filesystem::exists(o->out + "/STOP");
-      at::Tensor stop = at::full({1}, (g_stop || stop_file) ? 1 : 0, at::kInt);
-      engine->groups().world->all_reduce(stop, comm::ReduceOp::kMax);
-      if (stop.item<int>() != 0) {
-        if (rt.is_rank0()) std::printf("\ninterrupted: saving the checkpoint of step %ld\n", static_cast<long>(step));
-        interrupted = true;
-        break;
-      }
+    const TrainResult result = trainer.run();
+    const int64_t step = result.step;
+    if (result.interrupted && rt.is_rank0()) {
+      std::printf("\ninterrupted: saving the checkpoint of step %ld\n", static_cast<long>(step));
     }
-    if (engine->autotuning_done()) {
+    if (result.autotuning_done) {
       at::Tensor peak_bytes = at::full({1}, static_cast<double>(counter->peak()), at::kDouble);
       engine->groups().world->all_reduce(peak_bytes, comm::ReduceOp::kMax);
       if (rt.is_rank0()) {
-        progress.finish();
         nlohmann::json m = engine->autotuning_metrics();
         m["peak_allocated_bytes"] = peak_bytes.item<double>();  // the most of any rank
         m["peak_allocated_measured"] = "LibTorch's CPU allocator, the most bytes live on any rank during the timed steps";
@@ -476,19 +450,18 @@ Runner add_train(CLI::App& app, const Invocation& inv) {
       shutdown();
       return 0;
     }
-    if (!evaluated_last && !interrupted) last_val = evaluate();
-    save(true);
+    trainer.save();
+    save_model();
     if (rt.is_rank0()) std::filesystem::remove(o->out + "/STOP");
     if (rt.is_rank0()) {
-      progress.finish();
-      monitor::write_loss_svg(o->out + "/loss.svg", history, bigram, "GPT training loss (torchspeed)");
+      monitor::write_loss_svg(o->out + "/loss.svg", csv->history(), bigram, "GPT training loss (torchspeed)");
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (interrupted) {
+      if (result.interrupted) {
         std::printf("stopped at step %ld after %s\n", static_cast<long>(step), monitor::format_duration(secs).c_str());
       } else {
         std::printf("done: %ld steps in %s; validation loss %.4f vs bigram baseline %.4f (%s)\n",
-                    static_cast<long>(step), monitor::format_duration(secs).c_str(), last_val, bigram,
-                    last_val < bigram ? "below" : "NOT below");
+                    static_cast<long>(step), monitor::format_duration(secs).c_str(), *result.val_loss, bigram,
+                    *result.val_loss < bigram ? "below" : "NOT below");
       }
       if (lora) std::printf("adapter (PEFT's format): %s/adapter; model: the base with it merged\n", o->out.c_str());
       std::printf("model: %s/model, checkpoint: %s/checkpoints (--resume continues), metrics: %s/metrics.csv, "
