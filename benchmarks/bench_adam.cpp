@@ -8,7 +8,7 @@
 
 #include "bench_report.h"
 #include "torchspeed/optim/fused_optimizers.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::bench {
 

@@ -14,7 +14,7 @@
 #include "bench_report.h"
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/comm/compressed.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::bench {

@@ -15,8 +15,8 @@
 
 #include "bench_report.h"
 #include "torchspeed/engine/engine.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/memory_counter.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/memory_counter.h"
 
 namespace torchspeed::bench {
 namespace {

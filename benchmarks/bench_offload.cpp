@@ -23,8 +23,8 @@
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/offload/aio.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/memory_cgroup.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/memory_cgroup.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::bench {

@@ -7,7 +7,7 @@
 
 #include "bench_report.h"
 #include "torchspeed/engine/engine.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::bench {
 

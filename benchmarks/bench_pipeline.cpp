@@ -11,7 +11,7 @@
 #include "bench_report.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::bench {
 namespace {

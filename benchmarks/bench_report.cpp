@@ -9,8 +9,8 @@
 #include <ctime>
 #include <fstream>
 
-#include "torchspeed/runtime/cpu.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/cpu.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::bench {

@@ -45,8 +45,8 @@
 #include "torchspeed/data/text.h"
 #include "torchspeed/inference/model.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 
 extern char** environ;
 

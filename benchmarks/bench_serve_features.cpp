@@ -16,7 +16,7 @@
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/text.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::bench {
 using namespace serve_load;

@@ -23,7 +23,7 @@
 
 #include "bench_report.h"
 #include "torchspeed/data/text.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 extern char** environ;
 

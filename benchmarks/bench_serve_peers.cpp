@@ -36,8 +36,8 @@
 #include "torchspeed/data/bpe_internal.h"
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 
 namespace torchspeed::bench {
 using namespace serve_load;

@@ -12,8 +12,8 @@
 #include "bench_serve_load.h"
 #include "torchspeed/checkpoint/consolidated.h"
 #include "torchspeed/data/model_tokenizer.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 
 namespace torchspeed::bench {
 using namespace serve_load;

@@ -9,7 +9,7 @@
 
 #include "bench_report.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/tensor_parallel/layers.h"
 
 namespace torchspeed::bench {

@@ -27,9 +27,9 @@
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/monitor/op_profile.h"
-#include "torchspeed/runtime/cpu.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/cpu.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 
 namespace torchspeed::bench {
 namespace {

@@ -13,8 +13,8 @@ import re
 import sys
 
 FLOORS = [
-    ("base", ["runtime"]),                      # errors, logging, files, CPU, memory, launcher
-    ("io", ["io"]),                             # safetensors, atomic writes, CRC-32C
+    ("base", ["base"]),                         # errors, logging, files, CPU, memory; no MPI
+    ("io", ["io"]),                             # safetensors, GGUF, atomic writes, CRC-32C
     ("monitor", ["monitor"]),                   # progress, CSV / TensorBoard metrics, profiles
     ("comm", ["comm"]),                         # MPI and the communicator
     ("parallel", ["parallel", "tensor_parallel", "optim", "precision"]),
@@ -24,6 +24,7 @@ FLOORS = [
     ("models", ["models", "checkpoint", "data"]),
     ("planning and inference", ["plan", "inference"]),
     ("top", ["engine", "serve"]),
+    ("launch", ["launch"]),                     # hostfiles, spawning, elastic restarts: for the CLI only
 ]
 
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <typeinfo>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace fuzz {
 

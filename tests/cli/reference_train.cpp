@@ -27,7 +27,7 @@
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/models/lora.h"
 #include "torchspeed/monitor/metrics.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace ts = torchspeed;
 

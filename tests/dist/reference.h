@@ -23,7 +23,7 @@
 #include "torchspeed/config/config.h"
 #include "torchspeed/nn/layer_stack.h"
 #include "torchspeed/optim/lr_schedule.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace ts_test {
 

@@ -8,7 +8,7 @@
 #include <cstdlib>
 
 #include "dist_util.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using torchspeed::comm::ReduceOp;
 using ts_test::rank_data;

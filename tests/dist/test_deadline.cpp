@@ -19,7 +19,7 @@
 #include <ATen/ATen.h>
 
 #include "torchspeed/comm/communicator.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace {

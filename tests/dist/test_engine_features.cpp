@@ -17,8 +17,8 @@
 #include "dist_util.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/logging.h"
-#include "torchspeed/runtime/memory_counter.h"
+#include "torchspeed/base/logging.h"
+#include "torchspeed/base/memory_counter.h"
 
 using torchspeed::config::Config;
 using ts_test::world;

@@ -10,7 +10,7 @@
 #include "dist_util.h"
 #include "reference.h"
 #include "torchspeed/engine/engine.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using torchspeed::config::Config;
 using ts_test::world;

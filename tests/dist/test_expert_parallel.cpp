@@ -13,7 +13,7 @@
 #include "dist_util.h"
 #include "torchspeed/models/moe.h"
 #include "torchspeed/parallel/expert.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using ts_test::world;
 namespace ts = torchspeed;

@@ -20,8 +20,8 @@
 #include "dist_util.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/logging.h"
-#include "torchspeed/runtime/memory_cgroup.h"
+#include "torchspeed/base/logging.h"
+#include "torchspeed/base/memory_cgroup.h"
 
 namespace fs = std::filesystem;
 using ts_test::world;

@@ -18,7 +18,7 @@
 #include "torchspeed/data/text.h"
 #include "torchspeed/engine/engine.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using ts_test::world;
 namespace ts = torchspeed;

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "torchspeed/comm/detail/progress.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace d = torchspeed::comm::detail;
 using torchspeed::CommError;

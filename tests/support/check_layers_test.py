@@ -31,12 +31,12 @@ def expect(what, ok):
     failures += 0 if ok else 1
 
 
-rc, err = run(tree({"runtime/error.h": "#pragma once\n", "engine/engine.h": '#include "torchspeed/runtime/error.h"\n'}))
+rc, err = run(tree({"base/error.h": "#pragma once\n", "engine/engine.h": '#include "torchspeed/base/error.h"\n'}))
 expect("a higher floor includes a lower one", rc == 0 and err == "")
-rc, err = run(tree({"runtime/error.h": '#pragma once\n#include <vector>\n#include "torchspeed/engine/engine.h"\n',
+rc, err = run(tree({"base/error.h": '#pragma once\n#include <vector>\n#include "torchspeed/engine/engine.h"\n',
                     "engine/engine.h": "#pragma once\n"}))
 expect("an upward include fails, naming the file, line and floors",
-       rc == 1 and "src/torchspeed/runtime/error.h:3: includes torchspeed/engine/ (floor 'top') from floor 'base'" in err)
+       rc == 1 and "src/torchspeed/base/error.h:3: includes torchspeed/engine/ (floor 'top') from floor 'base'" in err)
 rc, err = run(tree({"zero/a.cpp": '#include "torchspeed/offload/b.h"\n', "offload/b.h": '#include "torchspeed/zero/c.h"\n',
                     "zero/c.h": ""}))
 expect("folders of one floor include each other", rc == 0)

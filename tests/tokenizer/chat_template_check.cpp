@@ -10,7 +10,7 @@
 #include <set>
 
 #include "torchspeed/data/chat_template.h"
-#include "torchspeed/runtime/file.h"
+#include "torchspeed/base/file.h"
 
 int main(int argc, char** argv) {
   if (argc != 2) {

@@ -7,7 +7,7 @@
 #include <cstdio>
 
 #include "torchspeed/data/bpe_tokenizer.h"
-#include "torchspeed/runtime/file.h"
+#include "torchspeed/base/file.h"
 
 int main(int argc, char** argv) {
   if (argc != 2) {

@@ -8,7 +8,7 @@
 #include <set>
 
 #include "torchspeed/data/text.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "test_util.h"
 
 using namespace torchspeed::data;

@@ -9,7 +9,7 @@
 
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/models/lora.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using namespace torchspeed::models;
 

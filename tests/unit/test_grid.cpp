@@ -5,7 +5,7 @@
 #include <set>
 
 #include "torchspeed/parallel/process_grid.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using torchspeed::parallel::GridCoord;
 using torchspeed::parallel::ProcessGrid;

@@ -9,7 +9,7 @@
 #include <fstream>
 
 #include "torchspeed/data/idx.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using namespace torchspeed::data;
 

@@ -9,9 +9,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "test_util.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/comm/runtime.h"
+#include "torchspeed/launch/launcher.h"
 
 using namespace torchspeed::launcher;
 using ts_test::expect_error;
@@ -238,7 +239,7 @@ TEST(ElasticLaunch, MpirunHangingAfterAnAbortIsStopped) {
   // A rank's own "ending the job" line counts too (mpirun hung before its abort message once, in
   // multihost_elastic_link with the link down).
   const std::string rank_ends = write_temp("ts_fake_mpirun5",
-                                           std::string("#!/bin/sh\necho '[rank 0/4] error: ") + kRankEndsJob + ": all_gather ...' >&2\nexec sleep 60\n");
+                                           std::string("#!/bin/sh\necho '[rank 0/4] error: ") + torchspeed::kRankEndsJob + ": all_gather ...' >&2\nexec sleep 60\n");
   std::filesystem::permissions(rank_ends, std::filesystem::perms::owner_all);
   testing::internal::CaptureStderr();
   const auto t1 = std::chrono::steady_clock::now();

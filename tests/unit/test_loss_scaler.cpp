@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "torchspeed/precision/loss_scaler.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using torchspeed::precision::LossScaler;
 using torchspeed::precision::LossScalerOptions;

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "torchspeed/runtime/memory_counter.h"
+#include "torchspeed/base/memory_counter.h"
 
 namespace {
 

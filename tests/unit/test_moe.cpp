@@ -12,7 +12,7 @@
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/models/moe.h"
 #include "torchspeed/nn/aux_loss.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using namespace torchspeed::models;
 namespace nn = torchspeed::nn;

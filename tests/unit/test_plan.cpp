@@ -6,7 +6,7 @@
 #include <set>
 
 #include "torchspeed/plan/plan.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 using namespace torchspeed::plan;
 

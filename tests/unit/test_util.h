@@ -7,7 +7,7 @@
 #include <string>
 
 #include "torchspeed/config/config.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace ts_test {
 

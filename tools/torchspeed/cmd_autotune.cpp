@@ -25,8 +25,8 @@
 #include "torchspeed/checkpoint/io_names.h"
 #include "torchspeed/config/config.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 
 namespace torchspeed::cli {
 namespace fs = std::filesystem;

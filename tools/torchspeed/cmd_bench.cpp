@@ -5,8 +5,8 @@
 
 #include "bench_report.h"
 #include "commands.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::cli {

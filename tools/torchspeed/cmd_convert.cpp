@@ -20,10 +20,10 @@
 #include "torchspeed/data/bpe_tokenizer.h"
 #include "torchspeed/data/model_tokenizer.h"
 #include "torchspeed/data/tokenizer.h"
-#include "torchspeed/runtime/file.h"
+#include "torchspeed/base/file.h"
 
 #include <filesystem>
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::cli {
 namespace {

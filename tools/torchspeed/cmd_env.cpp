@@ -9,7 +9,7 @@
 #include <cstdlib>
 
 #include "commands.h"
-#include "torchspeed/runtime/cpu.h"
+#include "torchspeed/base/cpu.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::cli {

@@ -11,7 +11,7 @@
 #include "torchspeed/data/text.h"
 #include "torchspeed/inference/serving_engine.h"
 #include "torchspeed/models/gpt.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::cli {
 

@@ -3,8 +3,8 @@
 #include <cstdio>
 
 #include "commands.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 
 namespace torchspeed::cli {
 

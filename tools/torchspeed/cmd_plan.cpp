@@ -30,9 +30,9 @@
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/optim/fused_optimizers.h"
 #include "torchspeed/plan/plan.h"
-#include "torchspeed/runtime/cpu.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/cpu.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 #include "torchspeed/comm/runtime.h"
 #include "torchspeed/tensor_parallel/layers.h"
 

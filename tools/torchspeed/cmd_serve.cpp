@@ -19,9 +19,9 @@
 #include "torchspeed/checkpoint/peft.h"
 #include "torchspeed/comm/communicator.h"
 #include "torchspeed/inference/serving_engine.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
+#include "torchspeed/base/logging.h"
 #include "torchspeed/comm/runtime.h"
 #include "torchspeed/serve/server.h"
 

@@ -33,11 +33,11 @@
 #include "torchspeed/monitor/metrics.h"
 #include "torchspeed/monitor/observers.h"
 #include "torchspeed/precision/advice.h"
-#include "torchspeed/runtime/cpu.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
-#include "torchspeed/runtime/logging.h"
-#include "torchspeed/runtime/memory_counter.h"
+#include "torchspeed/base/cpu.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
+#include "torchspeed/base/logging.h"
+#include "torchspeed/base/memory_counter.h"
 
 namespace torchspeed::cli {
 namespace {

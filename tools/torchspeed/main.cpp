@@ -7,8 +7,8 @@
 #include <map>
 
 #include "commands.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/launch/launcher.h"
 #include "torchspeed/comm/runtime.h"
 
 int main(int argc, char** argv) {

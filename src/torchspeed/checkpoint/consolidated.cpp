@@ -12,7 +12,7 @@
 #include "torchspeed/checkpoint/reshard.h"
 #include "torchspeed/checkpoint/sharded.h"
 #include "torchspeed/config/config.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::checkpoint {
 namespace fs = std::filesystem;

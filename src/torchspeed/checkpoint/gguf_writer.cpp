@@ -10,7 +10,7 @@
 #include <map>
 
 #include "torchspeed/checkpoint/io_names.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::checkpoint::gguf {
 namespace {

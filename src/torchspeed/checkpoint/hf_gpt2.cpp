@@ -9,8 +9,8 @@
 #include <set>
 
 #include "torchspeed/config/config.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/file.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/file.h"
 
 namespace torchspeed::checkpoint::hf {
 namespace fs = std::filesystem;

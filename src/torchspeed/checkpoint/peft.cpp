@@ -8,8 +8,8 @@
 #include <set>
 
 #include "torchspeed/checkpoint/io_names.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/file.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/file.h"
 
 namespace torchspeed::checkpoint::peft {
 

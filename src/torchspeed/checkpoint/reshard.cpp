@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "torchspeed/checkpoint/sharded.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/tensor_parallel/layers.h"
 
 namespace torchspeed::checkpoint {

@@ -61,9 +61,9 @@
 #include <sstream>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/file.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/file.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed::checkpoint {
 namespace fs = std::filesystem;

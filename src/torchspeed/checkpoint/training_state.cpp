@@ -10,7 +10,7 @@
 #include <mutex>
 
 #include "torchspeed/checkpoint/reshard.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::checkpoint {
 namespace {

@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::comm {
 namespace {

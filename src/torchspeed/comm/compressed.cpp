@@ -16,7 +16,7 @@
 #include <numeric>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::comm {
 namespace {

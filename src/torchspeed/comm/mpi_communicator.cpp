@@ -20,7 +20,7 @@
 #include "torchspeed/comm/detail/mpi_algorithms.h"
 #include "torchspeed/comm/detail/mpi_handles.h"
 #include "torchspeed/comm/detail/progress.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::comm {

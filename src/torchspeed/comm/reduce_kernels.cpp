@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::comm::detail {
 namespace {

@@ -12,10 +12,9 @@
 #include <optional>
 #include <vector>
 
-#include "torchspeed/runtime/cpu.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/launcher.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/cpu.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed {
 namespace {
@@ -154,7 +153,7 @@ void shutdown() {
     failure = g_comm_failure;
   }
   for (auto& h : hooks) h();
-  if (!failure.empty()) abort_job(concat(launcher::kRankEndsJob, ": ", failure), 3);
+  if (!failure.empty()) abort_job(concat(kRankEndsJob, ": ", failure), 3);
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Finalize();

@@ -10,6 +10,11 @@
 
 namespace torchspeed {
 
+// What a rank prints when it ends the whole job after a failed collective (runtime.cpp). The
+// launcher (launch/launcher.h) treats it as the job failing, as it treats mpirun's own abort
+// messages: mpirun that cannot reach a silent host's daemon may hang before printing any of those.
+inline constexpr char kRankEndsJob[] = "ending the job after a communication failure";
+
 enum class Launcher { kNone, kOpenMPI, kSlurm };
 const char* launcher_name(Launcher l);
 

@@ -6,8 +6,8 @@
 #include <map>
 #include <regex>
 
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed::compression {
 

@@ -13,7 +13,7 @@
 
 #include "torchspeed/optim/lr_schedule.h"
 #include "torchspeed/optim/optimizer_type.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::config {
 

@@ -5,7 +5,7 @@
 #include <cctype>
 #include <cmath>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::config {
 namespace {

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "torchspeed/config/json_reader.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::config {
 

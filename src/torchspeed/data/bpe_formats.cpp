@@ -8,10 +8,10 @@
 #include <tuple>
 #include <unordered_set>
 
-#include "torchspeed/checkpoint/gguf.h"
+#include "torchspeed/io/gguf.h"
 #include "torchspeed/data/bpe_internal.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/file.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/file.h"
 
 namespace torchspeed::data {
 
@@ -435,7 +435,7 @@ struct GgufTokens {
   std::vector<std::pair<std::string, int64_t>> special;
 };
 
-GgufTokens gguf_tokens(const checkpoint::gguf::File& f, const std::string& path) {
+GgufTokens gguf_tokens(const io::gguf::File& f, const std::string& path) {
   const auto& md = f.header().metadata;
   TS_CHECK(md.contains("tokenizer.ggml.tokens") && md.at("tokenizer.ggml.tokens").is_array(), path,
            ": no tokenizer.ggml.tokens array");
@@ -458,14 +458,14 @@ GgufTokens gguf_tokens(const checkpoint::gguf::File& f, const std::string& path)
 
 // A token id from GGUF metadata `key`, or -1 where the key is missing; an id outside the
 // vocabulary is an error naming the key.
-int64_t gguf_token_id(const checkpoint::gguf::File& f, const std::string& path, const char* key, int64_t vocab) {
+int64_t gguf_token_id(const io::gguf::File& f, const std::string& path, const char* key, int64_t vocab) {
   if (!f.has(key)) return -1;
   const int64_t id = f.integer(key);
   TS_CHECK(id >= 0 && id < vocab, path, ": ", key, " ", id, " is outside the ", vocab, " tokens");
   return id;
 }
 
-bool gguf_flag(const checkpoint::gguf::File& f, const std::string& path, const char* key, bool dflt) {
+bool gguf_flag(const io::gguf::File& f, const std::string& path, const char* key, bool dflt) {
   if (!f.has(key)) return dflt;
   const auto& v = f.header().metadata.at(key);
   TS_CHECK(v.is_boolean(), path, ": ", key, " is not a boolean: ", v.type_name());
@@ -473,7 +473,7 @@ bool gguf_flag(const checkpoint::gguf::File& f, const std::string& path, const c
 }
 }  // namespace
 
-void BpeTokenizer::take_gguf_specials(const checkpoint::gguf::File& f, const std::string& path, const nlohmann::json& tokens,
+void BpeTokenizer::take_gguf_specials(const io::gguf::File& f, const std::string& path, const nlohmann::json& tokens,
                                       const std::vector<std::pair<std::string, int64_t>>& special, bool add_bos_default) {
   // GGUF ids are the indexes of tokenizer.ggml.tokens. A string listed twice maps to its first id
   // (gguf_tokens), which left the later index out of the id table, and the table one short where
@@ -501,7 +501,7 @@ void BpeTokenizer::take_gguf_specials(const checkpoint::gguf::File& f, const std
 }
 
 // GGUF's SentencePiece tokenizer (Note [SentencePiece-style BPE]).
-BpeTokenizer BpeTokenizer::from_gguf_spm(const checkpoint::gguf::File& f, const std::string& path) {
+BpeTokenizer BpeTokenizer::from_gguf_spm(const io::gguf::File& f, const std::string& path) {
   const auto& md = f.header().metadata;
   GgufTokens g = gguf_tokens(f, path);
   const auto& tokens = *g.tokens;
@@ -552,7 +552,7 @@ BpeTokenizer BpeTokenizer::from_gguf_spm(const checkpoint::gguf::File& f, const 
 }
 
 BpeTokenizer BpeTokenizer::from_gguf(const std::string& path) {
-  const checkpoint::gguf::File f(path);
+  const io::gguf::File f(path);
   const auto& md = f.header().metadata;
   const std::string model = f.has("tokenizer.ggml.model") ? f.string("tokenizer.ggml.model") : "";
   if (model == "llama") return from_gguf_spm(f, path);

@@ -5,7 +5,7 @@
 #include <unicode/ustring.h>
 
 #include "torchspeed/data/bpe_internal.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data {
 namespace bpe {

@@ -6,7 +6,7 @@
 #include <climits>
 
 #include "torchspeed/data/bpe_internal.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data {
 

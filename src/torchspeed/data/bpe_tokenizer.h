@@ -21,7 +21,7 @@
 
 #include "torchspeed/data/tokenizer.h"
 
-namespace torchspeed::checkpoint::gguf {
+namespace torchspeed::io::gguf {
 class File;
 }
 
@@ -78,11 +78,11 @@ class BpeTokenizer : public Tokenizer {
  private:
   BpeTokenizer(std::unordered_map<std::string, int64_t> vocab, std::vector<std::pair<std::string, std::string>> merges,
                const std::string& source, bool spm = false, std::vector<int> ranks = {});
-  static BpeTokenizer from_gguf_spm(const checkpoint::gguf::File& f, const std::string& path);
+  static BpeTokenizer from_gguf_spm(const io::gguf::File& f, const std::string& path);
   // A GGUF vocabulary's unknown, EOS and BOS ids and its control/user-defined tokens; every
   // index of `tokens` an id (a string listed twice keeps its first id for encoding, and each
   // index its string for decoding).
-  void take_gguf_specials(const checkpoint::gguf::File& f, const std::string& path, const nlohmann::json& tokens,
+  void take_gguf_specials(const io::gguf::File& f, const std::string& path, const nlohmann::json& tokens,
                           const std::vector<std::pair<std::string, int64_t>>& special, bool add_bos_default);
   void bpe(const std::string& piece, std::vector<int64_t>& out) const;
   void encode_plain(const std::string& text, bool at_start, std::vector<int64_t>& out) const;

@@ -3,7 +3,7 @@
 #include "torchspeed/data/chat_template.h"
 
 #include "torchspeed/data/chat_template_internal.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data {
 

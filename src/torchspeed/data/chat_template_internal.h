@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "torchspeed/data/chat_template.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data::jinja {
 // Python's dicts keep their insertion order, and templates print them (tojson of a tool's

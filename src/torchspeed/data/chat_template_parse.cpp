@@ -9,7 +9,7 @@
 #include <set>
 
 #include "torchspeed/data/chat_template_internal.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data::jinja {
 

@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data {
 

@@ -6,15 +6,15 @@
 #include <fstream>
 #include <sstream>
 
-#include "torchspeed/checkpoint/gguf.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/io/gguf.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data {
 
 TokenizerPtr tokenizer_of_model(const std::string& path, const checkpoint::Model& model, const std::string& spec) {
   namespace fs = std::filesystem;
   std::string chosen = spec;
-  if (chosen.empty() && fs::is_regular_file(path) && checkpoint::gguf::is_gguf(path)) chosen = path;  // its own tokenizer
+  if (chosen.empty() && fs::is_regular_file(path) && io::gguf::is_gguf(path)) chosen = path;  // its own tokenizer
   if (chosen.empty()) {
     for (const fs::path& dir : {fs::path(path), fs::path(path) / "model"}) {
       if (fs::is_directory(dir) && (fs::exists(dir / "tokenizer.json") || fs::exists(dir / "vocab.json"))) {
@@ -130,8 +130,8 @@ ChatFormatPtr chat_format_of_model(const std::string& path, const checkpoint::Mo
   }
   const std::string src = tok.source();
   if (!found && src != "bytes" && fs::exists(src)) {
-    if (checkpoint::gguf::is_gguf(src)) {
-      const checkpoint::gguf::File g(src);
+    if (io::gguf::is_gguf(src)) {
+      const io::gguf::File g(src);
       found = from_gguf_info(g.header().metadata, src, tok, *f);
     } else {
       found = from_hf_folder(fs::is_directory(src) ? fs::path(src) : fs::path(src).parent_path(), tok, *f);

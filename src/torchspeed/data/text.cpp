@@ -13,7 +13,7 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace fs = std::filesystem;
 

@@ -1,13 +1,13 @@
 // Tokenizer helpers: decoding through token_bytes, and choosing a tokenizer by name or path.
 #include "torchspeed/data/tokenizer.h"
 
-#include "torchspeed/checkpoint/gguf.h"
+#include "torchspeed/io/gguf.h"
 
 #include <filesystem>
 
 #include "torchspeed/data/bpe_tokenizer.h"
 #include "torchspeed/data/text.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::data {
 
@@ -29,7 +29,7 @@ TokenizerPtr load_tokenizer(const std::string& spec) {
   TS_CHECK(fs::exists(spec), "tokenizer '", spec,
            "' does not exist: give \"bytes\", a tokenizer.json, or a folder with tokenizer.json or vocab.json + merges.txt");
   if (fs::is_directory(spec)) return std::make_shared<BpeTokenizer>(BpeTokenizer::from_folder(spec));
-  if (checkpoint::gguf::is_gguf(spec)) return std::make_shared<BpeTokenizer>(BpeTokenizer::from_gguf(spec));
+  if (io::gguf::is_gguf(spec)) return std::make_shared<BpeTokenizer>(BpeTokenizer::from_gguf(spec));
   return std::make_shared<BpeTokenizer>(BpeTokenizer::from_tokenizer_json(spec));
 }
 

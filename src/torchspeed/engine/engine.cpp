@@ -18,8 +18,8 @@
 #include "torchspeed/offload/param_swapper.h"
 #include "torchspeed/parallel/expert.h"
 #include "torchspeed/parallel/sequence.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 #include "torchspeed/tensor_parallel/layers.h"
 #include "torchspeed/engine/wiring.h"
 

@@ -10,8 +10,8 @@
 #include "torchspeed/checkpoint/reshard.h"
 #include "torchspeed/checkpoint/training_state.h"
 #include "torchspeed/engine/engine.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 #ifndef TORCHSPEED_VERSION
 #define TORCHSPEED_VERSION "unknown"

@@ -7,7 +7,7 @@
 #include <chrono>
 #include <filesystem>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed {
 

@@ -3,7 +3,7 @@
 
 #include "torchspeed/offload/optimizer_swapper.h"
 #include "torchspeed/offload/param_swapper.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::wiring {
 

@@ -7,7 +7,7 @@
 #include <immintrin.h>
 
 #include "torchspeed/inference/simd.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 #include <algorithm>
 #include <cmath>

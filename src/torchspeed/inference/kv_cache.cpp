@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <random>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::inference {
 

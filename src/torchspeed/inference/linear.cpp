@@ -34,7 +34,7 @@
 
 #include "torchspeed/checkpoint/gguf_writer.h"
 #include "torchspeed/inference/linear_bf16.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::inference {
 

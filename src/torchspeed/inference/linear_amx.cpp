@@ -57,7 +57,7 @@
 #include <limits>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::inference {
 

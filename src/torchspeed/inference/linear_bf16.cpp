@@ -30,7 +30,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::inference {
 

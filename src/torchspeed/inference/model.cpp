@@ -16,7 +16,7 @@
 
 #include "torchspeed/inference/attention.h"
 #include "torchspeed/inference/linear.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/tensor_parallel/layers.h"
 
 namespace torchspeed::inference {

@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::inference {
 

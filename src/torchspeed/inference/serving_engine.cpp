@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "torchspeed/data/text.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed::inference {
 

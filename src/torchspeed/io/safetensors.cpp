@@ -14,7 +14,7 @@
 #include <filesystem>
 
 #include "torchspeed/io/crc32c.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::io {
 namespace {

@@ -21,7 +21,7 @@
 
 #include "torchspeed/config/config.h"
 #include "torchspeed/config/json_reader.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::models {
 

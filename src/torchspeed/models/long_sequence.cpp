@@ -11,7 +11,7 @@
 
 #include "torchspeed/nn/tiled.h"
 #include "torchspeed/parallel/sequence.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::models {
 

@@ -7,7 +7,7 @@
 #include <map>
 #include <set>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::models {
 

@@ -13,7 +13,7 @@
 #include "torchspeed/nn/aux_loss.h"
 #include "torchspeed/nn/fused_ops.h"
 #include "torchspeed/parallel/expert.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::models {
 

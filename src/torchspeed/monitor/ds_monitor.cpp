@@ -14,7 +14,7 @@
 #include <system_error>
 
 #include "torchspeed/io/crc32c.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 // Note [DeepSpeed's monitors]
 // What deepspeed/monitor/{monitor,tensorboard,csv_monitor,config}.py do, and we with them:

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "torchspeed/io/safetensors.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::monitor {
 

@@ -22,7 +22,7 @@
 #include <mutex>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::monitor {
 namespace {

@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::nn {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <mutex>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::nn {
 namespace {

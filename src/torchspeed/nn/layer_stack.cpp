@@ -1,7 +1,7 @@
 // LayerStack's forward and loss.
 #include "torchspeed/nn/layer_stack.h"
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::nn {
 

@@ -8,7 +8,7 @@
 #include <algorithm>
 
 #include "torchspeed/nn/checkpoint.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::nn {
 namespace {

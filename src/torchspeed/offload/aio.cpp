@@ -25,8 +25,8 @@
 #include <liburing.h>
 #endif
 
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed::offload {
 

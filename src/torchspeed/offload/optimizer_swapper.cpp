@@ -18,8 +18,8 @@
 #include <algorithm>
 #include <deque>
 
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed::offload {
 

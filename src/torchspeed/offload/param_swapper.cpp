@@ -15,8 +15,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed::offload {
 

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::optim {
 namespace {

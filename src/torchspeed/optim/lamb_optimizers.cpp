@@ -19,7 +19,7 @@
 
 #include "torchspeed/comm/compressed.h"
 #include "torchspeed/optim/detail/optimizers.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::optim::detail {
 namespace {

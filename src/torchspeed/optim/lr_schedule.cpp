@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::optim {
 

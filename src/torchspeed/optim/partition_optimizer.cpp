@@ -3,7 +3,7 @@
 #include "torchspeed/optim/partition_optimizer.h"
 
 #include "torchspeed/optim/detail/optimizers.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::optim {
 

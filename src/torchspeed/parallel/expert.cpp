@@ -7,8 +7,8 @@
 #include <numeric>
 
 #include "torchspeed/comm/autograd_state.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/tensor_registry.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/tensor_registry.h"
 
 namespace torchspeed::parallel {
 namespace {

@@ -1,7 +1,7 @@
 // Grid arithmetic and group construction (communicator splits with the grid's colors).
 #include "torchspeed/parallel/process_grid.h"
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::parallel {
 

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "torchspeed/parallel/expert.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::parallel {
 

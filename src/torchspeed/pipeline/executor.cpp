@@ -22,7 +22,7 @@
 #include <chrono>
 #include <type_traits>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::pipeline {
 namespace {

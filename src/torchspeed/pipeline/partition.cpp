@@ -5,7 +5,7 @@
 #include <numeric>
 #include <regex>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::pipeline {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::pipeline {
 namespace {

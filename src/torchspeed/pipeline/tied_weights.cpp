@@ -7,8 +7,8 @@
 #include <map>
 
 #include "torchspeed/pipeline/partition.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 
 namespace torchspeed::pipeline {
 

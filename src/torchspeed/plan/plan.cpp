@@ -6,7 +6,7 @@
 
 #include "torchspeed/models/gpt.h"
 #include "torchspeed/pipeline/partition.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::plan {
 

@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "torchspeed/inference/text_stream.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 #include "torchspeed/serve/chat_page.h"
 #include "torchspeed/serve/http.h"
 #include "torchspeed/serve/openai_protocol.h"

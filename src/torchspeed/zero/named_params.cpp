@@ -4,7 +4,7 @@
 #include <unordered_map>
 
 #include "torchspeed/parallel/expert.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::zero {
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::zero {
 

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/zero/detail/units.h"
 #include "torchspeed/zero/zero_optimizer.h"
 

@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::zero {
 

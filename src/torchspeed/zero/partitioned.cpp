@@ -15,8 +15,8 @@
 #include <algorithm>
 
 #include "torchspeed/comm/compressed.h"
-#include "torchspeed/runtime/error.h"
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/error.h"
+#include "torchspeed/base/logging.h"
 #include "torchspeed/zero/detail/strategies.h"
 #include "torchspeed/zero/detail/units.h"
 

@@ -63,7 +63,7 @@
 
 #include <malloc.h>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/zero/detail/units.h"
 
 namespace torchspeed::zero {

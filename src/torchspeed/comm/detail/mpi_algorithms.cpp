@@ -39,7 +39,7 @@
 #include <deque>
 
 #include "torchspeed/comm/detail/reduce_kernels.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::comm::detail {
 

@@ -48,7 +48,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/comm/runtime.h"
 
 namespace torchspeed::comm::detail {

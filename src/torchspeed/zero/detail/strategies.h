@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 #include "torchspeed/zero/zero_optimizer.h"
 
 namespace torchspeed::zero::detail {

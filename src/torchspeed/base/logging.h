@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::log {
 

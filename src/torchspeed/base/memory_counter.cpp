@@ -1,5 +1,5 @@
 // CountingAllocator: a DataPtr context that remembers the size and the owner.
-#include "torchspeed/runtime/memory_counter.h"
+#include "torchspeed/base/memory_counter.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <torch/version.h>
@@ -7,7 +7,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed {
 namespace {

@@ -1,5 +1,5 @@
 // Out-of-line part of the error helpers.
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed {
 

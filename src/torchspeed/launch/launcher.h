@@ -10,11 +10,6 @@
 
 namespace torchspeed::launcher {
 
-// What a rank prints when it ends the whole job after a failed collective (runtime.cpp). The
-// launcher treats it as the job failing, as it treats mpirun's own abort messages: mpirun that
-// cannot reach a silent host's daemon may hang before printing any of those.
-inline constexpr char kRankEndsJob[] = "ending the job after a communication failure";
-
 struct HostSlots {
   std::string host;
   std::vector<int> slots;  // slot indices on that host (0..n-1)

@@ -1,5 +1,5 @@
 // mpirun command construction and process start-up (execvp / posix_spawnp, no shell).
-#include "torchspeed/runtime/launcher.h"
+#include "torchspeed/launch/launcher.h"
 
 #include <signal.h>
 #include <fcntl.h>
@@ -19,8 +19,9 @@
 #include <set>
 #include <sstream>
 
-#include "torchspeed/runtime/cpu.h"
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/cpu.h"
+#include "torchspeed/comm/runtime.h"
+#include "torchspeed/base/error.h"
 
 extern char** environ;
 

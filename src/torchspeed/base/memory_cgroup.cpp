@@ -1,4 +1,4 @@
-#include "torchspeed/runtime/memory_cgroup.h"
+#include "torchspeed/base/memory_cgroup.h"
 
 #include <unistd.h>
 

@@ -8,7 +8,7 @@
 // Nothing can switch it after loading, so the value has to be in the environment of the
 // process before it starts: the launcher exports it to every rank and the CLI re-executes
 // itself once with it (never overriding a value the user set).
-#include "torchspeed/runtime/cpu.h"
+#include "torchspeed/base/cpu.h"
 
 #include <dlfcn.h>
 #include <sched.h>
@@ -27,7 +27,7 @@
 #include <set>
 #include <sstream>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed::cpu {
 

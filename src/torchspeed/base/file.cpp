@@ -1,9 +1,9 @@
-#include "torchspeed/runtime/file.h"
+#include "torchspeed/base/file.h"
 
 #include <fstream>
 #include <sstream>
 
-#include "torchspeed/runtime/error.h"
+#include "torchspeed/base/error.h"
 
 namespace torchspeed {
 

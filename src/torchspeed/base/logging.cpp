@@ -1,5 +1,5 @@
 // Rank-prefixed logging to stderr; one write() call per line so ranks do not interleave.
-#include "torchspeed/runtime/logging.h"
+#include "torchspeed/base/logging.h"
 
 #include <unistd.h>
 
