@@ -53,6 +53,29 @@ void BenchReport::finish(const BenchArgs& args) const {
   std::fflush(stdout);
 }
 
+namespace {
+// The first line a command prints, or "" (popen: benchmarks only, never the library).
+std::string first_line_of(const std::string& command) {
+  std::string line;
+  if (FILE* p = ::popen(command.c_str(), "r")) {
+    char buf[256];
+    if (std::fgets(buf, sizeof(buf), p)) line = buf;
+    ::pclose(p);
+  }
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+  return line;
+}
+
+// The source tree's commit, "+dirty" when tracked files differ from it; "unknown" outside git.
+std::string source_commit() {
+  const std::string git = std::string("git -C '") + TORCHSPEED_SOURCE_DIR + "' ";
+  const std::string commit = first_line_of(git + "rev-parse --short=12 HEAD 2>/dev/null");
+  if (commit.empty()) return "unknown";
+  const bool dirty = !first_line_of(git + "status --porcelain --untracked-files=no 2>/dev/null").empty();
+  return dirty ? commit + "+dirty" : commit;
+}
+}  // namespace
+
 nlohmann::json describe_machine(int world_size) {
   auto f = cpu::features();
   char host[256] = {0};
@@ -69,7 +92,8 @@ nlohmann::json describe_machine(int world_size) {
           {"torchspeed", version()},
           {"mpi", mpi_library_version()},
           {"host", host},
-          {"date", date}};
+          {"date", date},
+          {"commit", source_commit()}};
 }
 
 double median(std::vector<double> v) {

@@ -1,5 +1,7 @@
 // BenchReport: one benchmark's raw measurements, targets and machine description, printed as a
-// table and written as JSON: {"bench", "machine", "results": [...], "targets": [...]}.
+// table and written as JSON: {"bench", "machine", "results": [...], "targets": [...]}. "machine"
+// holds the CPU, its features, threads, ranks, versions, the date and the source commit, so
+// scripts/bench-tables can turn the JSON into docs/benchmarks.md's tables.
 // Ratios are always measured side by side in the same run; raw times stay in the JSON.
 #pragma once
 
