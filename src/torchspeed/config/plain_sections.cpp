@@ -129,7 +129,7 @@ const KeyTable<CheckpointConfig>& checkpoint_keys() {
   static const KeyTable<C> keys = {
       Key<C>("tag_validation", &C::tag_validation, "whether ranks must agree on a checkpoint's tag")
           .one_of({"Ignore", "Warn", "Fail"}),
-      Key<C>("load_universal", &C::load_universal, "load a checkpoint saved at another parallel layout (resharded)"),
+      Key<C>("load_universal", &C::load_universal, "read and kept; loading needs no switch: every checkpoint loads at another parallel layout (resharded)"),
       Key<C>("use_node_local_storage", &C::use_node_local_storage, "")
           .refused("torchspeed checkpoints need one folder every rank can read (a shared filesystem); node-local "
                    "checkpoints are not available"),

@@ -116,7 +116,7 @@ const KeyTable<ZeroConfig>& zero_keys() {
       Key<C>("overlap_comm", &C::overlap_comm, "bucket reductions run while backward goes on (default: true at stage 3)"),
       Key<C>("load_from_fp32_weights", &C::load_from_fp32_weights, "")
           .refused("torchspeed always restores parameters from the checkpoint's fp32 masters"),
-      Key<C>("elastic_checkpoint", &C::elastic_checkpoint, "checkpoints load at another data-parallel size either way"),
+      Key<C>("elastic_checkpoint", &C::elastic_checkpoint, "read and kept; loading needs no switch: checkpoints load at another data-parallel size either way"),
       Key<C>("sub_group_size", &C::sub_group_size, "the optimizer step runs in pieces of at most this many elements")
           .range(1),
       Key<C>("stage3_prefetch_bucket_size", &C::prefetch_bucket_size, "stage 3: elements gathered ahead of the layer that runs")
